@@ -1,0 +1,216 @@
+"""CPO math over per-sequence log-probs (every loss_type), the public functional and its output dataclass.
+
+Contrastive Preference Optimization (Xu et al., 2024, arXiv:2401.08417), eq. 3, as TRL's ``CPOTrainer`` computes
+it. With ``s`` the sequence log-prob (sum over completion tokens; the mean for ``ipo``/``simpo``) and
+``Δ = s_c − s_r`` (AlphaPO, ``alpha ≠ 0``: ``Δ = r_c − r_r`` with ``r = (1 − exp(−alpha·s)) / alpha``)::
+
+    sigmoid  −(1−ε)·logσ(βΔ) − ε·logσ(−βΔ)         simpo  the same on Δ − γ/β
+    hinge    relu(1 − βΔ)                           ipo    (Δ − 1/(2β))²
+    loss = mean_pairs(losses) + cpo_alpha · nll,    nll = −Σ_chosen log p / N_chosen_tokens
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+LossType = Literal["sigmoid", "hinge", "ipo", "simpo", "alphapo"]
+Backend = Literal["auto", "torch", "triton"]
+LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo", "alphapo")
+
+
+@dataclass(frozen=True)
+class CPOHyperparams:
+    """The CPO knobs after TRL's normalisation (``alphapo`` → ``simpo`` with ``cpo_alpha = 0``)."""
+
+    beta: float = 0.1
+    loss_type: LossType = "sigmoid"
+    label_smoothing: float = 0.0
+    cpo_alpha: float = 1.0
+    simpo_gamma: float = 0.5
+    alpha: float = 0.0
+
+    @classmethod
+    def create(cls, **kwargs) -> CPOHyperparams:
+        loss_type = kwargs.get("loss_type", "sigmoid")
+        if loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type={loss_type!r} is not one of {LOSS_TYPES}.")
+        if loss_type == "alphapo":  # TRL's CPOConfig.__post_init__ does the same rewrite
+            kwargs["loss_type"], kwargs["cpo_alpha"] = "simpo", 0.0
+        beta = kwargs.get("beta", 0.1)
+        if kwargs["loss_type"] in ("ipo", "simpo") and beta == 0:
+            raise ValueError(f"beta must be non-zero for loss_type={loss_type!r} (it divides by beta).")
+        return cls(**kwargs)
+
+    @property
+    def average_log_prob(self) -> bool:
+        """TRL averages the token log-probs of a sequence for ipo and simpo, and sums them otherwise."""
+        return self.loss_type in ("ipo", "simpo")
+
+
+def cpo_pair_losses(
+    chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, hp: CPOHyperparams
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-pair CPO losses and rewards, TRL's ``CPOTrainer.cpo_loss`` with a stable AlphaPO transform.
+
+    Args:
+        chosen_logps: ``[P]`` sequence log-probs of the chosen completions.
+        rejected_logps: ``[P]`` sequence log-probs of the rejected completions.
+        hp: the CPO hyperparameters.
+
+    Returns:
+        ``(losses [P], chosen_rewards [P], rejected_rewards [P])`` in the inputs' dtype; rewards are not detached
+        here (callers detach).
+    """
+    if hp.alpha != 0.0:
+        # TRL writes (1 - exp(s).pow(-alpha)) / alpha: exp(s) underflows to 0 for summed log-probs (s ≈ -500) and
+        # 0 ** -alpha is inf. -expm1(-alpha * s) / alpha is the same function without the underflow.
+        chosen_r = -torch.expm1(-hp.alpha * chosen_logps) / hp.alpha
+        rejected_r = -torch.expm1(-hp.alpha * rejected_logps) / hp.alpha
+    else:
+        chosen_r, rejected_r = chosen_logps, rejected_logps
+    logits = chosen_r - rejected_r
+    if hp.loss_type in ("sigmoid", "simpo"):
+        if hp.loss_type == "simpo":
+            logits = logits - hp.simpo_gamma / hp.beta
+        losses = -F.logsigmoid(hp.beta * logits) * (1 - hp.label_smoothing) - F.logsigmoid(
+            -hp.beta * logits
+        ) * hp.label_smoothing
+    elif hp.loss_type == "hinge":
+        losses = torch.relu(1 - hp.beta * logits)
+    elif hp.loss_type == "ipo":
+        losses = (logits - 1 / (2 * hp.beta)) ** 2
+    else:  # CPOHyperparams.create rejects anything else
+        raise ValueError(f"Unknown loss type {hp.loss_type!r}")
+    return losses, hp.beta * chosen_r, hp.beta * rejected_r
+
+
+def cpo_pair_loss_grads(
+    chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, hp: CPOHyperparams, num_pairs: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``Σ losses / num_pairs`` over some pairs and its derivative w.r.t. each sequence log-prob.
+
+    The fused op needs ``∂L/∂s`` for the pairs of one chunk before it can write that chunk's ``dlogits``. Autograd
+    over these ``[P]``-sized tensors (float64, microseconds) gives it for every loss type from the same formula the
+    forward uses, so the two can never disagree.
+
+    Returns:
+        ``(loss_sum, d_chosen [P], d_rejected [P])``, all float64.
+    """
+    with torch.enable_grad():
+        c = chosen_logps.detach().double().requires_grad_(True)
+        r = rejected_logps.detach().double().requires_grad_(True)
+        losses, _, _ = cpo_pair_losses(c, r, hp)
+        loss_sum = losses.sum() / num_pairs
+        d_c, d_r = torch.autograd.grad(loss_sum, (c, r))
+    return loss_sum.detach(), d_c, d_r
+
+
+@dataclass
+class CPOLossOutput:
+    """What ``fused_linear_cpo_loss`` returns. Only ``loss`` carries gradients; everything else is detached.
+
+    Attributes:
+        loss: scalar, ``mean(losses) + cpo_alpha · nll``.
+        chosen_logps / rejected_logps: ``[B]`` sequence log-probs (sum, or mean for ipo/simpo).
+        chosen_rewards / rejected_rewards: ``[B]``, ``β·s`` (``β·r`` with AlphaPO).
+        nll_loss: scalar, token-mean NLL of the chosen completions (0 when ``cpo_alpha == 0``).
+        chosen_logits_mean / rejected_logits_mean: scalar mean of the ``[B, T, V]`` logits of each half over every
+            position, prompt and padding included (TRL's ``logits/chosen``), computed without the logits.
+    """
+
+    loss: torch.Tensor
+    chosen_logps: torch.Tensor
+    rejected_logps: torch.Tensor
+    chosen_rewards: torch.Tensor
+    rejected_rewards: torch.Tensor
+    nll_loss: torch.Tensor
+    chosen_logits_mean: torch.Tensor
+    rejected_logits_mean: torch.Tensor
+
+
+def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None):
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden must be [2B, T, H]; got shape {tuple(hidden.shape)}.")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[2]:
+        raise ValueError(
+            f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[2]}; got shape {tuple(weight.shape)}."
+        )
+    if labels.shape != hidden.shape[:2]:
+        raise ValueError(
+            f"labels must be [2B, T] = {tuple(hidden.shape[:2])} (the shape of hidden without H); "
+            f"got shape {tuple(labels.shape)}."
+        )
+    if hidden.shape[0] % 2 != 0 or hidden.shape[0] == 0:
+        raise ValueError(
+            f"hidden has {hidden.shape[0]} rows; expected an even, non-zero number: B chosen rows then B rejected."
+        )
+    if labels.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"labels must be int64 (or int32); got {labels.dtype}.")
+    if not hidden.is_floating_point() or not weight.is_floating_point():
+        raise TypeError(f"hidden and weight must be floating point; got {hidden.dtype} and {weight.dtype}.")
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the same dtype.")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != weight.dtype):
+        raise ValueError(
+            f"bias must be [V] = [{weight.shape[0]}] of dtype {weight.dtype}; "
+            f"got shape {tuple(bias.shape)}, dtype {bias.dtype}."
+        )
+    tensors = {"hidden": hidden, "weight": weight, "labels": labels} | ({"bias": bias} if bias is not None else {})
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"all inputs must be on one device; got {devices}.")
+
+
+def fused_linear_cpo_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    beta: float = 0.1,
+    loss_type: LossType = "sigmoid",
+    label_smoothing: float = 0.0,
+    cpo_alpha: float = 1.0,
+    simpo_gamma: float = 0.5,
+    alpha: float = 0.0,
+    ignore_index: int = -100,
+    backend: Backend = "auto",
+    chunk_bytes: int | None = None,
+) -> CPOLossOutput:
+    """CPO loss straight from the final hidden states and the ``lm_head`` weight; the logits never exist whole.
+
+    Args:
+        hidden: ``[2B, T, H]`` final hidden states, the B chosen rows first; ``hidden[:, t]`` predicts
+            ``labels[:, t]``.
+        weight: ``[V, H]`` lm_head weight (same dtype as ``hidden``).
+        labels: ``[2B, T]`` int64 targets, already shifted; ``ignore_index`` marks positions without a label.
+        bias: optional ``[V]`` lm_head bias.
+        beta, loss_type, label_smoothing, cpo_alpha, simpo_gamma, alpha: as in TRL's ``CPOConfig``.
+        ignore_index: label value of unlabelled positions.
+        backend: ``"triton"`` (fused kernels, CUDA), ``"torch"`` (chunked torch ops, any device) or ``"auto"``.
+        chunk_bytes: budget for the one ``[tokens, V]`` logits buffer that exists at a time (default: 1 GiB with
+            a trainable weight, 512 MiB with a frozen one). Smaller saves memory; much smaller costs speed.
+
+    Returns:
+        A :class:`CPOLossOutput`. Gradients of ``loss`` reach ``hidden``, ``weight`` and ``bias`` where they
+        require grad; a frozen weight's gradient is never computed.
+    """
+    from .ops.dispatch import linear_cpo
+
+    _check_inputs(hidden, weight, labels, bias)
+    hp = CPOHyperparams.create(
+        beta=beta,
+        loss_type=loss_type,
+        label_smoothing=label_smoothing,
+        cpo_alpha=cpo_alpha,
+        simpo_gamma=simpo_gamma,
+        alpha=alpha,
+    )
+    if hp.loss_type in ("hinge", "ipo") and hp.label_smoothing > 0:
+        warnings.warn(f"label_smoothing is ignored by loss_type={hp.loss_type!r} (as in TRL).", stacklevel=2)
+    return linear_cpo(hidden, weight, labels, bias, hp, ignore_index=ignore_index, backend=backend, chunk_bytes=chunk_bytes)

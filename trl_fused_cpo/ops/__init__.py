@@ -1,0 +1,1 @@
+"""The fused linear-CPO op: reference (spec), token plan, row passes (torch, Triton), autograd Function, dispatch."""

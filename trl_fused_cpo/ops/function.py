@@ -1,0 +1,197 @@
+"""The fused linear-CPO op: a pair-aligned chunk loop that finishes loss and gradients in the forward.
+
+Per chunk of whole pairs (DESIGN.md §4): logits GEMM → per-token log-sum-exp and target logit → the chunk's CPO
+loss and per-token coefficients ``g_t = ∂L/∂log p_t`` → ``dlogits = g_t·(onehot − softmax)`` written over the
+logits buffer → ``dX = dlogits·W``, ``dW += dlogitsᵀ·X``. Three GEMMs per token (``6NVH``), one ``[C, V]``
+buffer. The autograd backward only scales the stored gradients by the incoming one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from ..loss import CPOHyperparams, cpo_pair_loss_grads, cpo_pair_losses
+from .plan import TokenPlan, plan_tokens
+
+
+@dataclass
+class _Grads:
+    hidden: torch.Tensor | None
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+
+
+def _logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
+
+
+_FP32_OUT_MM: bool | None = None  # whether this torch can write a bf16/fp16 GEMM into an fp32 tensor (CUDA)
+
+
+def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` float32 and ``a``, ``b`` possibly bf16/fp16.
+
+    fp32 accumulation of ``dW`` across chunks: summing bf16 partial products would round once per chunk, and the
+    fused gradient must be no worse than torch's single-GEMM one. On CUDA, cuBLAS reads and writes the fp32 ``C``
+    itself (``out_dtype``), so no bf16 ``[V, H]`` temporary exists.
+    """
+    global _FP32_OUT_MM
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+        return
+    if a.is_cuda and _FP32_OUT_MM is not False:
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            _FP32_OUT_MM = True
+            return
+        except (RuntimeError, TypeError):
+            _FP32_OUT_MM = False
+    acc.add_(torch.mm(a, b).float()) if a.is_cuda else acc.addmm_(a.float(), b.float())
+
+
+def _sequence_logps(
+    plan: TokenPlan, token_logp: torch.Tensor, pair_start: int, pair_end: int, tok_start: int, tok_end: int, hp
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sequence log-probs of pairs ``[pair_start, pair_end)`` and the per-row divisor (1, or the token count)."""
+    rows = plan.row_counts.numel()
+    num_pairs = rows // 2
+    sums = torch.zeros(rows, device=token_logp.device, dtype=token_logp.dtype)
+    sums.index_add_(0, plan.token_row[tok_start:tok_end], token_logp[tok_start:tok_end])
+    counts = plan.row_counts.to(token_logp.dtype)
+    # TRL divides 0/0 on an empty completion (NaN); a sequence with no labelled token has s = 0 here instead.
+    divisor = counts.clamp(min=1) if hp.average_log_prob else torch.ones_like(counts)
+    s = sums / divisor
+    chosen = slice(pair_start, pair_end)
+    rejected = slice(num_pairs + pair_start, num_pairs + pair_end)
+    return s[chosen], s[rejected], divisor, s
+
+
+def linear_cpo_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    hp: CPOHyperparams,
+    *,
+    ignore_index: int,
+    max_tokens: int,
+    rows: ModuleType,
+    need_grads: tuple[bool, bool, bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, _Grads]:
+    """Loss, sequence log-probs, NLL and (where ``need_grads``) the gradients of hidden, weight and bias.
+
+    Args:
+        rows: the row-pass backend, a module with ``logsumexp_target`` and ``softmax_grad_``.
+        need_grads: whether hidden, weight, bias need a gradient.
+
+    Returns:
+        ``(loss, chosen_logps [B], rejected_logps [B], nll, grads)``.
+    """
+    num_rows, seq_len, hidden_size = hidden.shape
+    num_pairs = num_rows // 2
+    vocab = weight.shape[0]
+    device = hidden.device
+    plan = plan_tokens(labels, ignore_index=ignore_index, vocab_size=vocab, max_tokens=max_tokens)
+    x_all = hidden.reshape(num_rows * seq_len, hidden_size)
+    need_dx, need_dw, need_db = need_grads
+    any_grad = need_dx or need_dw or need_db
+
+    acc_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32  # per-token and per-row math
+    token_logp = torch.empty(plan.num_tokens, device=device, dtype=acc_dtype)
+    dx = torch.zeros_like(x_all) if need_dx else None
+    dw = torch.zeros(weight.shape, device=device, dtype=acc_dtype) if need_dw else None
+    db = torch.zeros(vocab, device=device, dtype=acc_dtype) if need_db else None
+    num_chosen = plan.num_chosen_tokens
+    nll_coef = -hp.cpo_alpha / num_chosen if (hp.cpo_alpha != 0 and num_chosen) else 0.0
+    loss = torch.zeros((), device=device, dtype=torch.float64)
+
+    for group in plan.groups:
+        slices = group.slices(max_tokens)
+        kept = None  # the group's logits, kept for the gradient pass when the group is one slice
+        lses = []
+        for s, e in slices:
+            x = x_all.index_select(0, plan.token_index[s:e])
+            logits = _logits(x, weight, bias)
+            lse, target_logit = rows.logsumexp_target(logits, plan.targets[s:e])
+            token_logp[s:e] = target_logit - lse
+            lses.append(lse)
+            if len(slices) == 1 and any_grad:
+                kept = (x, logits)
+            del logits
+        chosen_s, rejected_s, divisor, _ = _sequence_logps(
+            plan, token_logp, group.pair_start, group.pair_end, group.tok_start, group.tok_end, hp
+        )
+        if not any_grad:
+            loss += cpo_pair_losses(chosen_s.double(), rejected_s.double(), hp)[0].sum() / num_pairs
+            continue
+        group_loss, d_chosen, d_rejected = cpo_pair_loss_grads(chosen_s, rejected_s, hp, num_pairs)
+        loss += group_loss
+        # Per-row coefficient ∂L/∂log p_t: the pair term (divided by the length for mean-type s) + the NLL term.
+        row_coef = torch.zeros(num_rows, device=device, dtype=torch.float64)
+        row_coef[group.pair_start : group.pair_end] = d_chosen
+        row_coef[num_pairs + group.pair_start : num_pairs + group.pair_end] = d_rejected
+        row_coef /= divisor
+        row_coef[:num_pairs] += nll_coef
+        row_coef = row_coef.to(acc_dtype)
+        for (s, e), lse in zip(slices, lses, strict=True):
+            idx = plan.token_index[s:e]
+            if kept is not None:
+                x, dlogits = kept
+            else:  # a pair longer than the budget: recompute this slice's logits
+                x = x_all.index_select(0, idx)
+                dlogits = _logits(x, weight, bias)
+            rows.softmax_grad_(dlogits, lse, plan.targets[s:e], row_coef[plan.token_row[s:e]])
+            if need_dx:
+                dx.index_copy_(0, idx, torch.mm(dlogits, weight))
+            if need_dw:
+                _accumulate_mm(dw, dlogits.t(), x)
+            if need_db:
+                db += dlogits.sum(0, dtype=acc_dtype)
+            del x, dlogits
+        kept = None
+
+    chosen_logps, rejected_logps, _, _ = _sequence_logps(plan, token_logp, 0, num_pairs, 0, plan.num_tokens, hp)
+    if hp.cpo_alpha != 0 and num_chosen:
+        chosen_tokens = plan.token_row < num_pairs
+        nll = -(token_logp * chosen_tokens).sum() / num_chosen
+    else:
+        nll = torch.zeros((), device=device, dtype=acc_dtype)
+    loss = loss.to(acc_dtype) + hp.cpo_alpha * nll
+    grads = _Grads(
+        hidden=None if dx is None else dx.view_as(hidden),
+        weight=None if dw is None else dw.to(weight.dtype),
+        bias=None if db is None else db.to(bias.dtype),
+    )
+    return loss, chosen_logps, rejected_logps, nll, grads
+
+
+class LinearCPOFunction(torch.autograd.Function):
+    """Autograd wrapper: gradients are computed in the forward; the backward scales them by ``grad_loss``."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, hp, ignore_index, max_tokens, rows):
+        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+        loss, chosen_logps, rejected_logps, nll, grads = linear_cpo_forward(
+            hidden, weight, bias, labels, hp, ignore_index=ignore_index, max_tokens=max_tokens, rows=rows,
+            need_grads=need,
+        )
+        # Kept on ctx, not save_for_backward: they are outputs of this op, scaled in place in the backward.
+        ctx.grads = grads
+        ctx.mark_non_differentiable(chosen_logps, rejected_logps, nll)
+        return loss, chosen_logps, rejected_logps, nll
+
+    @staticmethod
+    def backward(ctx, grad_loss, _chosen, _rejected, _nll):
+        grads = ctx.grads
+        if grads is None:
+            raise RuntimeError("fused_linear_cpo_loss: backward ran twice through one forward; run the forward again.")
+        ctx.grads = None  # frees the stored gradients as they are handed over
+
+        def scaled(g: torch.Tensor | None) -> torch.Tensor | None:
+            return None if g is None else g.mul_(grad_loss)
+
+        # None for labels, hp, ignore_index, max_tokens, rows: not differentiable.
+        return scaled(grads.hidden), scaled(grads.weight), scaled(grads.bias), None, None, None, None, None
