@@ -1,0 +1,152 @@
+"""FusedCPOTrainer(CPOTrainer): the same trainer, config, data and metric keys; the loss never builds the logits.
+
+The one seam overridden is ``get_batch_loss_metrics`` (train via ``compute_loss``, eval via ``prediction_step``):
+it calls the wrapped model with ``fused_cpo_labels`` so the backbone and the fused head run inside the wrapper's
+forward (distributed.py), then logs TRL's metrics from the ``CPOLossOutput``. Anything the fused path cannot do
+exactly is refused in ``__init__``, or falls back to ``super()`` with one logged line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from trl.experimental.cpo import CPOTrainer
+
+from .config import fused_options
+from .distributed import install_fused_forward, lm_head_params
+from .loss import fused_linear_cpo_loss
+
+logger = logging.getLogger(__name__)
+
+
+def _causal_lm(model: nn.Module) -> nn.Module:
+    """The ``*ForCausalLM`` inside a PEFT wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why the fused loss would train ``model`` wrongly, with the fix; None when it is fine."""
+    peft_config = getattr(model, "peft_config", None)
+    if isinstance(peft_config, dict):
+        for name, cfg in peft_config.items():
+            if getattr(cfg, "is_prompt_learning", False):
+                return (
+                    f"PEFT adapter {name!r} is prompt learning ({type(cfg).__name__}), which prepends virtual tokens "
+                    "and changes the sequence length the labels align to. Use LoRA, or set use_fused_loss=False."
+                )
+    lm = _causal_lm(model)
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
+        return f"{type(lm).__name__} has no output embedding with a .weight to read. Set use_fused_loss=False."
+    if hasattr(head, "lora_A") or hasattr(head, "base_layer"):
+        return (
+            "FusedCPOTrainer reads lm_head.weight directly, so a LoRA adapter on lm_head would never train. "
+            "Remove 'lm_head' from the LoRA target modules (peft's 'all-linear' already leaves it out), or set "
+            "use_fused_loss=False."
+        )
+    text_config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+    if getattr(text_config, "final_logit_softcapping", None) is not None:
+        return (
+            f"{text_config.model_type} applies a final logit softcap, which the fused loss does not apply. "
+            "Set use_fused_loss=False for this model."
+        )
+    for key in ("logit_scale", "logits_scaling", "output_multiplier", "lm_head_multiplier"):
+        value = getattr(text_config, key, None)
+        if value is not None and value != 1:
+            return (
+                f"{text_config.model_type} scales its logits ({key}={value}), which the fused loss does not apply. "
+                "Set use_fused_loss=False for this model."
+            )
+    return None
+
+
+class FusedCPOTrainer(CPOTrainer):
+    """Drop-in ``CPOTrainer`` whose loss is ``fused_linear_cpo_loss`` (takes a ``CPOConfig`` or ``FusedCPOConfig``)."""
+
+    _tag_names = ["trl", "cpo", "trl-fused-cpo"]
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        options = fused_options(self.args)
+        self._fused_backend = options["backend"]
+        self._fused_chunk_bytes = options["chunk_bytes"]
+        self.use_fused_loss = options["use_fused_loss"]
+        if not self.use_fused_loss:
+            logger.info("FusedCPOTrainer: use_fused_loss=False, running TRL's stock CPO loss.")
+            return
+        if self.is_encoder_decoder or self.aux_loss_enabled:
+            why = "an encoder-decoder model" if self.is_encoder_decoder else "router aux loss (MoE)"
+            logger.warning(f"FusedCPOTrainer: {why} is not fused; falling back to TRL's stock CPO loss.")
+            self.use_fused_loss = False
+            return
+        reason = unsupported_reason(self.model)
+        if reason is not None:
+            raise ValueError(reason)
+        install_fused_forward(_causal_lm(self.model), self._head_loss)
+
+    def _head_loss(self, hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor):
+        """The fused head, called from inside the model's forward."""
+        with lm_head_params(head) as (weight, bias):
+            # Under autocast (mixed precision with fp32 master weights) the stock head runs in the autocast dtype;
+            # cast explicitly (differentiably) so the op sees one dtype, then keep autocast off inside it.
+            device_type = hidden.device.type
+            if torch.is_autocast_enabled(device_type):
+                dtype = torch.get_autocast_dtype(device_type)
+                hidden, weight = hidden.to(dtype), weight.to(dtype)
+                bias = None if bias is None else bias.to(dtype)
+            autocast_off = torch.autocast(device_type, enabled=False) if device_type in ("cuda", "cpu") else None
+            with autocast_off or contextlib.nullcontext():
+                return fused_linear_cpo_loss(
+                    hidden,
+                    weight,
+                    labels,
+                    bias=bias,
+                    beta=self.beta,
+                    loss_type=self.loss_type,
+                    label_smoothing=self.label_smoothing,
+                    cpo_alpha=self.cpo_alpha,
+                    simpo_gamma=getattr(self, "simpo_gamma", 0.5),
+                    alpha=self.alpha,
+                    backend=self._fused_backend,
+                    chunk_bytes=self._fused_chunk_bytes,
+                )
+
+    def get_batch_loss_metrics(
+        self, model, batch: dict[str, list | torch.LongTensor], train_eval: Literal["train", "eval"] = "train"
+    ):
+        """TRL's loss and metrics (same keys and definitions) from the fused op."""
+        if not self.use_fused_loss:
+            return super().get_batch_loss_metrics(model, batch, train_eval)
+        concatenated = self.concatenated_inputs(
+            batch, is_encoder_decoder=False, padding_value=self.pad_token_id, device=self.accelerator.device
+        )
+        labels = concatenated["concatenated_labels"]
+        # Position t predicts token t+1 (TRL shifts logits[:, :-1] against labels[:, 1:]); the last position keeps
+        # no label but still counts in TRL's logits/* means, so hidden stays [2B, T] and the labels get a pad.
+        shifted_labels = F.pad(labels[:, 1:], (0, 1), value=-100)
+        out = model(
+            concatenated["concatenated_input_ids"],
+            attention_mask=concatenated["concatenated_attention_mask"],
+            use_cache=False,
+            fused_cpo_labels=shifted_labels,
+        )
+        gather = self.accelerator.gather_for_metrics
+        accuracies = (out.chosen_rewards > out.rejected_rewards).float()
+        prefix = "eval_" if train_eval == "eval" else ""
+        metrics = {
+            f"{prefix}rewards/chosen": gather(out.chosen_rewards).mean().item(),
+            f"{prefix}rewards/rejected": gather(out.rejected_rewards).mean().item(),
+            f"{prefix}rewards/accuracies": gather(accuracies).mean().item(),
+            f"{prefix}rewards/margins": gather(out.chosen_rewards - out.rejected_rewards).mean().item(),
+            f"{prefix}logps/rejected": gather(out.rejected_logps).mean().item(),
+            f"{prefix}logps/chosen": gather(out.chosen_logps).mean().item(),
+            f"{prefix}logits/rejected": gather(out.rejected_logits_mean).mean().item(),
+            f"{prefix}logits/chosen": gather(out.chosen_logits_mean).mean().item(),
+            f"{prefix}nll_loss": gather(out.nll_loss).mean().item(),
+        }
+        return out.loss, metrics
