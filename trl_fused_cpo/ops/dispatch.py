@@ -92,7 +92,7 @@ def linear_cpo(
     grad_on = torch.is_grad_enabled()
     max_tokens = max_chunk_tokens(weight.shape[0], weight.dtype, chunk_bytes, grad_on and weight.requires_grad)
     loss, chosen_logps, rejected_logps, nll = LinearCPOFunction.apply(
-        hidden, weight, bias, labels, hp, ignore_index, max_tokens, row_ops(resolved)
+        hidden, weight, bias, labels, hp, ignore_index, max_tokens, row_ops(resolved), grad_on
     )
     # float64: AlphaPO's exp(-alpha * s) overflows float32 at alpha * |s| > 88
     _, chosen_rewards, rejected_rewards = cpo_pair_losses(chosen_logps.double(), rejected_logps.double(), hp)

@@ -172,8 +172,10 @@ class LinearCPOFunction(torch.autograd.Function):
     """Autograd wrapper: gradients are computed in the forward; the backward scales them by ``grad_loss``."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, hp, ignore_index, max_tokens, rows):
-        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+    def forward(ctx, hidden, weight, bias, labels, hp, ignore_index, max_tokens, rows, grad_enabled):
+        # needs_input_grad follows requires_grad even under torch.no_grad(); eval must do forward work only.
+        needs = [grad_enabled and n for n in ctx.needs_input_grad[:3]]
+        need = (needs[0], needs[1], bias is not None and needs[2])
         loss, chosen_logps, rejected_logps, nll, grads = linear_cpo_forward(
             hidden, weight, bias, labels, hp, ignore_index=ignore_index, max_tokens=max_tokens, rows=rows,
             need_grads=need,
@@ -193,5 +195,5 @@ class LinearCPOFunction(torch.autograd.Function):
         def scaled(g: torch.Tensor | None) -> torch.Tensor | None:
             return None if g is None else g.mul_(grad_loss)
 
-        # None for labels, hp, ignore_index, max_tokens, rows: not differentiable.
-        return scaled(grads.hidden), scaled(grads.weight), scaled(grads.bias), None, None, None, None, None
+        # None for labels, hp, ignore_index, max_tokens, rows, grad_enabled: not differentiable.
+        return scaled(grads.hidden), scaled(grads.weight), scaled(grads.bias), None, None, None, None, None, None

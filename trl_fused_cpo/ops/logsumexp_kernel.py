@@ -25,7 +25,7 @@ def _logsumexp_target_kernel(
     offsets = tl.arange(0, BLOCK_V)
     m = float("-inf")
     s = 0.0
-    for start in range(0, V, BLOCK_V):
+    for start in tl.range(0, V, BLOCK_V):
         cols = start + offsets
         x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, axis=0))

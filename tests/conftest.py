@@ -1,0 +1,49 @@
+"""Shared fixtures. Without CUDA, Triton kernels run through the interpreter (set before any kernel import)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+import pytest  # noqa: E402
+
+
+def make_batch(
+    rows: int,
+    seq_len: int,
+    hidden_size: int,
+    vocab: int,
+    *,
+    dtype: torch.dtype = torch.float64,
+    device: str = "cpu",
+    prompt_frac: float = 0.3,
+    seed: int = 0,
+    logit_std: float = 2.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hidden [rows, T, H], weight [V, H], bias [V], labels [rows, T] with a prompt mask and ragged padding.
+
+    Logits have std ≈ ``logit_std`` (never zeros: they hide indexing errors).
+    """
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(rows, seq_len, hidden_size, generator=g, dtype=torch.float64)
+    weight = torch.randn(vocab, hidden_size, generator=g, dtype=torch.float64) * (logit_std / hidden_size**0.5)
+    bias = torch.randn(vocab, generator=g, dtype=torch.float64) * 0.1
+    labels = torch.randint(0, vocab, (rows, seq_len), generator=g)
+    for r in range(rows):
+        prompt = int(prompt_frac * seq_len * torch.rand((), generator=g).item())
+        pad = int(0.3 * seq_len * torch.rand((), generator=g).item())
+        labels[r, :prompt] = -100
+        if pad:
+            labels[r, seq_len - pad :] = -100
+    to = dict(dtype=dtype, device=device)
+    return hidden.to(**to), weight.to(**to), bias.to(**to), labels.to(device)
+
+
+@pytest.fixture
+def batch_factory():
+    return make_batch

@@ -1,0 +1,70 @@
+"""The Triton kernels on the CPU through TRITON_INTERPRET=1 (set in conftest), tiny fp32/fp16 shapes.
+
+The interpreter cannot do bf16 arithmetic (DESIGN.md §5); bf16 runs in tests/gpu. On a CUDA machine these run
+the compiled kernels on the GPU instead.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import make_batch
+
+from trl_fused_cpo import fused_linear_cpo_loss
+from trl_fused_cpo.ops import rows_torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(
+    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1", reason="needs CUDA or TRITON_INTERPRET=1"
+)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows,vocab", [(1, 7), (5, 4097), (3, 8193), (7, 123)])
+def test_row_kernels_match_torch(dtype, rows, vocab):
+    from trl_fused_cpo.ops import rows_triton
+
+    g = torch.Generator().manual_seed(rows * vocab)
+    logits = (torch.randn(rows, vocab, generator=g) * 2).to(dtype).to(DEVICE)
+    targets = torch.randint(0, vocab, (rows,), generator=g).to(DEVICE)
+    coef = torch.randn(rows, generator=g).to(DEVICE)
+    lse, tgt = rows_triton.logsumexp_target(logits, targets)
+    lse_ref, tgt_ref = rows_torch.logsumexp_target(logits, targets)
+    torch.testing.assert_close(lse, lse_ref, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(tgt, tgt_ref)
+    got = rows_triton.softmax_grad_(logits.clone(), lse_ref, targets, coef)
+    want = rows_torch.softmax_grad_(logits.clone(), lse_ref, targets, coef)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-5)
+    torch.testing.assert_close(got, want, **tol)
+
+
+def test_kernels_reject_bad_shapes():
+    from trl_fused_cpo.ops import rows_triton
+
+    logits = torch.randn(4, 9, device=DEVICE)
+    with pytest.raises(ValueError, match="targets"):
+        rows_triton.logsumexp_target(logits, torch.zeros(3, dtype=torch.long, device=DEVICE))
+    with pytest.raises(ValueError, match="row-major"):
+        rows_triton.logsumexp_target(logits.t(), torch.zeros(9, dtype=torch.long, device=DEVICE))
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "simpo"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_triton_backend_matches_torch_backend(loss_type, with_bias):
+    hidden, weight, bias, labels = make_batch(4, 19, 8, 300, dtype=torch.float32, device=DEVICE, seed=7)
+    bias = bias if with_bias else None
+    results = []
+    for backend in ("torch", "triton"):
+        leaves = [t.clone().requires_grad_(True) for t in (hidden, weight) + ((bias,) if with_bias else ())]
+        out = fused_linear_cpo_loss(
+            leaves[0], leaves[1], labels, bias=leaves[2] if with_bias else None, loss_type=loss_type,
+            backend=backend, chunk_bytes=30 * 300 * 4,
+        )
+        results.append((out, torch.autograd.grad(out.loss, leaves)))
+    (a, ga), (b, gb) = results
+    for name in ("loss", "chosen_logps", "rejected_logps", "nll_loss", "chosen_logits_mean"):
+        torch.testing.assert_close(getattr(b, name), getattr(a, name), rtol=1e-5, atol=1e-5)
+    for x, y in zip(gb, ga, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)

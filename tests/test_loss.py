@@ -1,0 +1,221 @@
+"""The CPO math and the functional (torch backend) against TRL's own methods and the reference spec."""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import make_batch
+from trl.experimental.cpo import CPOTrainer
+
+from trl_fused_cpo import fused_linear_cpo_loss
+from trl_fused_cpo.loss import CPOHyperparams
+from trl_fused_cpo.ops import function as fused_function
+from trl_fused_cpo.ops.reference import reference_linear_cpo_loss
+
+OPTIONS = [
+    dict(loss_type="sigmoid"),
+    dict(loss_type="sigmoid", label_smoothing=0.2, beta=0.3),
+    dict(loss_type="sigmoid", cpo_alpha=0.0),
+    dict(loss_type="hinge", beta=0.05),
+    dict(loss_type="ipo", beta=0.5),
+    dict(loss_type="simpo", simpo_gamma=0.8, beta=2.0),
+    dict(loss_type="simpo", cpo_alpha=0.5, label_smoothing=0.1),
+    dict(loss_type="alphapo", alpha=0.25, beta=2.5),
+    dict(loss_type="sigmoid", alpha=0.05),
+    dict(loss_type="ipo", alpha=-0.3),
+]
+
+
+def trl_reference(hidden, weight, bias, labels, **opts):
+    """TRL 1.16's CPOTrainer math, called on materialised float64 logits (labels unshifted, as TRL takes them)."""
+    hp = CPOHyperparams.create(**opts)
+    fake = SimpleNamespace(
+        beta=hp.beta,
+        loss_type=hp.loss_type,
+        label_smoothing=hp.label_smoothing,
+        simpo_gamma=hp.simpo_gamma,
+        alpha=hp.alpha,
+        accelerator=SimpleNamespace(device=hidden.device),
+    )
+    logits = hidden.double() @ weight.double().t() + bias.double()
+    # TRL shifts inside get_batch_logps: our labels[:, t] is its labels[:, t + 1], so it never scores our last
+    # position, which the trainer always leaves unlabelled.
+    assert (labels[:, -1] == -100).all()
+    trl_labels = torch.nn.functional.pad(labels, (1, 0), value=-100)[:, :-1]
+    logps = CPOTrainer.get_batch_logps(logits, trl_labels, average_log_prob=hp.average_log_prob)
+    b = hidden.shape[0] // 2
+    losses, cr, rr = CPOTrainer.cpo_loss(fake, logps[:b], logps[b:])
+    if hp.cpo_alpha == 0:
+        nll = torch.zeros((), dtype=torch.float64)
+    else:
+        nll = torch.nn.functional.cross_entropy(
+            logits[:b].reshape(-1, logits.shape[-1]), labels[:b].reshape(-1), ignore_index=-100
+        )
+    return hp, losses.mean() + hp.cpo_alpha * nll, logps[:b], logps[b:], cr, rr, nll
+
+
+@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_reference_equals_trl_math(opts):
+    hidden, weight, bias, labels = make_batch(6, 11, 8, 29, seed=3)
+    labels[:, -1] = -100
+    if opts.get("alpha", 0) != 0:  # TRL's exp(s).pow(-alpha) underflows for long sums: keep s moderate
+        hidden = hidden * 0.1
+    hp, loss, c, r, cr, rr, nll = trl_reference(hidden, weight, bias, labels, **opts)
+    ref = reference_linear_cpo_loss(hidden, weight, labels, hp, bias=bias, compute_dtype=torch.float64)
+    torch.testing.assert_close(ref.loss, loss, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ref.chosen_logps, c)
+    torch.testing.assert_close(ref.rejected_logps, r)
+    torch.testing.assert_close(ref.chosen_rewards, cr)
+    torch.testing.assert_close(ref.rejected_rewards, rr)
+    torch.testing.assert_close(ref.nll_loss, nll.to(ref.nll_loss.dtype))
+
+
+def _grads(out_loss, tensors):
+    return torch.autograd.grad(out_loss, tensors)
+
+
+@pytest.mark.parametrize(
+    "opts,shape,chunk_tokens",
+    [
+        (OPTIONS[0], (2, 7, 5, 13), None),
+        (OPTIONS[1], (6, 31, 3, 47), 40),  # several pairs per chunk
+        (OPTIONS[4], (8, 17, 6, 123), 1),  # every pair alone, longer than the budget: multi-slice recompute
+        (OPTIONS[5], (4, 47, 8, 31), 25),
+        (OPTIONS[7], (6, 13, 4, 37), 9),
+        (OPTIONS[8], (10, 9, 5, 61), 1000),
+        (OPTIONS[2], (4, 23, 7, 19), 12),
+        (OPTIONS[3], (6, 5, 3, 11), 4),
+    ],
+)
+def test_functional_matches_trl_and_reference(opts, shape, chunk_tokens):
+    rows, seq_len, h, v = shape
+    hidden, weight, bias, labels = make_batch(rows, seq_len, h, v, seed=rows * seq_len)
+    labels[:, -1] = -100
+    if opts.get("alpha", 0) != 0:
+        hidden = hidden * 0.1
+    leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    chunk_bytes = None if chunk_tokens is None else chunk_tokens * v * 8
+    out = fused_linear_cpo_loss(*leaves[:2], labels, bias=leaves[2], backend="torch", chunk_bytes=chunk_bytes, **opts)
+    hp, loss, c, r, cr, rr, nll = trl_reference(hidden, weight, bias, labels, **opts)
+    torch.testing.assert_close(out.loss, loss)
+    torch.testing.assert_close(out.chosen_logps, c)
+    torch.testing.assert_close(out.rejected_logps, r)
+    torch.testing.assert_close(out.chosen_rewards, cr.float())
+    torch.testing.assert_close(out.rejected_rewards, rr.float())
+    torch.testing.assert_close(out.nll_loss, nll)
+    ref_leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    ref = reference_linear_cpo_loss(*ref_leaves[:2], labels, hp, bias=ref_leaves[2], compute_dtype=torch.float64)
+    torch.testing.assert_close(out.chosen_logits_mean, ref.chosen_logits_mean.float())
+    torch.testing.assert_close(out.rejected_logits_mean, ref.rejected_logits_mean.float())
+    for got, want in zip(_grads(out.loss, leaves), _grads(ref.loss, ref_leaves), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+
+
+def test_incoming_gradient_scales_every_gradient():
+    hidden, weight, bias, labels = make_batch(4, 9, 5, 17)
+    a = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    b = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    (0.25 * fused_linear_cpo_loss(a[0], a[1], labels, bias=a[2], backend="torch").loss).backward()
+    fused_linear_cpo_loss(b[0], b[1], labels, bias=b[2], backend="torch").loss.backward()
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x.grad, 0.25 * y.grad)
+
+
+def test_frozen_weight_gets_no_gradient_and_no_weight_gemm(monkeypatch):
+    calls = []
+    monkeypatch.setattr(fused_function, "_accumulate_mm", lambda *a: calls.append(1))
+    hidden, weight, _, labels = make_batch(4, 9, 5, 17)
+    hidden.requires_grad_(True)
+    out = fused_linear_cpo_loss(hidden, weight, labels, backend="torch")
+    out.loss.backward()
+    assert weight.grad is None and hidden.grad is not None
+    assert calls == []
+
+
+def test_no_grad_forward_does_no_gradient_work(monkeypatch):
+    calls = []
+    from trl_fused_cpo.ops import rows_torch
+
+    monkeypatch.setattr(rows_torch, "softmax_grad_", lambda *a: calls.append(1))
+    hidden, weight, bias, labels = make_batch(4, 9, 5, 17)
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    with torch.no_grad():
+        out = fused_linear_cpo_loss(hidden, weight, labels, bias=bias, backend="torch")
+    assert calls == [] and not out.loss.requires_grad
+    ref = reference_linear_cpo_loss(hidden, weight, labels, CPOHyperparams(), bias=bias, compute_dtype=torch.float64)
+    torch.testing.assert_close(out.loss, ref.loss)
+
+
+class _LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the largest tensor any op produces."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_torch_backend_never_allocates_full_logits():
+    rows, seq_len, h, v = 8, 64, 16, 512
+    hidden, weight, bias, labels = make_batch(rows, seq_len, h, v, dtype=torch.float32, prompt_frac=0.0)
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    chunk_bytes = 200 * v * 4  # 200 tokens of fp32 logits; a full pair is at most 128
+    with _LargestTensor() as probe:
+        out = fused_linear_cpo_loss(hidden, weight, labels, bias=bias, backend="torch", chunk_bytes=chunk_bytes)
+        out.loss.backward()
+    full = rows * seq_len * v
+    assert probe.largest <= 200 * v < full, (probe.largest, full)
+    # The probe sees the reference's logits: it does detect [2B, T, V].
+    with _LargestTensor() as probe:
+        reference_linear_cpo_loss(hidden, weight, labels, CPOHyperparams(), bias=bias)
+    assert probe.largest >= full
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_low_precision_no_worse_than_torch(dtype):
+    """Against float64 ground truth, the fused gradients are within torch's own error at the same dtype."""
+    hidden, weight, bias, labels = make_batch(4, 33, 32, 257, seed=11)
+    truth = [t.clone().requires_grad_(True) for t in (hidden, weight)]
+    ref = reference_linear_cpo_loss(*truth, labels, CPOHyperparams(), compute_dtype=torch.float64)
+    g_truth = _grads(ref.loss, truth)
+    low = [t.to(dtype).requires_grad_(True) for t in (hidden, weight)]
+    g_fused = _grads(fused_linear_cpo_loss(*low, labels, backend="torch").loss, low)
+    plain = [t.to(dtype).requires_grad_(True) for t in (hidden, weight)]
+    # Plain torch at this dtype: logits in the input dtype, log-softmax upcast to fp32 (TRL's path).
+    g_plain = _grads(
+        reference_linear_cpo_loss(*[p for p in plain], labels, CPOHyperparams(), compute_dtype=dtype).loss, plain
+    )
+    for gf, gp, gt in zip(g_fused, g_plain, g_truth, strict=True):
+        err_fused = ((gf.double() - gt).norm() / gt.norm()).item()
+        err_plain = ((gp.double() - gt).norm() / gt.norm()).item()
+        assert err_fused <= 1.25 * err_plain + 1e-6, (err_fused, err_plain)
+
+
+def test_hyperparams_normalise_alphapo_and_reject_unknown():
+    hp = CPOHyperparams.create(loss_type="alphapo", cpo_alpha=1.0)
+    assert (hp.loss_type, hp.cpo_alpha) == ("simpo", 0.0)
+    with pytest.raises(ValueError, match="loss_type"):
+        CPOHyperparams.create(loss_type="kto_pair")
+
+
+def test_chunk_size_does_not_change_the_result():
+    hidden, weight, bias, labels = make_batch(8, 21, 6, 53, dtype=torch.float32, seed=5)
+    results = []
+    for tokens in (1, 17, 60, 10_000):
+        leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+        out = fused_linear_cpo_loss(*leaves[:2], labels, bias=leaves[2], backend="torch", chunk_bytes=tokens * 53 * 4)
+        results.append((out.loss, *_grads(out.loss, leaves)))
+    for a, b in itertools.pairwise(results):
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(x, y, rtol=2e-5, atol=2e-6)
