@@ -1,0 +1,169 @@
+"""FusedCPOTrainer against stock CPOTrainer on the same batch: loss, metric keys and values, gradients."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from datasets import Dataset
+from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+from trl_fused_cpo import FusedCPOConfig, FusedCPOTrainer
+from trl_fused_cpo.toy import load_toy_preferences, toy_model, toy_tokenizer
+
+
+def make_trainer(cls, tmp_path, *, tie=False, config_cls=CPOConfig, model=None, peft_config=None, **overrides):
+    args = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        bf16=False,
+        report_to=[],
+        max_length=64,
+        gradient_checkpointing=False,
+        use_cpu=True,
+        save_strategy="no",
+    )
+    args.update(overrides)
+    data = Dataset.from_list(load_toy_preferences("train")[:16])
+    return cls(
+        model=model if model is not None else toy_model(tie_word_embeddings=tie),
+        args=config_cls(**args),
+        train_dataset=data,
+        eval_dataset=Dataset.from_list(load_toy_preferences("test")[:8]),
+        processing_class=toy_tokenizer(),
+        peft_config=peft_config,
+    )
+
+
+def loss_metrics_grads(trainer, rows=range(4)):
+    batch = trainer._prepare_inputs(trainer.data_collator([trainer.train_dataset[i] for i in rows]))
+    loss, metrics = trainer.get_batch_loss_metrics(trainer.model, batch)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return loss.detach(), metrics, grads
+
+
+def assert_close_norm(got, want, name, rtol=1e-5):
+    """Relative error in norm: fp32 elementwise noise on near-zero entries is not a difference."""
+    err = ((got - want).norm() / want.norm().clamp(min=1e-30)).item()
+    assert err <= rtol, f"{name}: relative error {err:.2e}"
+
+
+def assert_same(stock, fused, grad_rtol=1e-5):
+    torch.testing.assert_close(fused[0], stock[0])
+    assert fused[1].keys() == stock[1].keys()
+    for key, value in stock[1].items():
+        assert fused[1][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert fused[2].keys() == stock[2].keys()
+    for name, g in stock[2].items():
+        assert_close_norm(fused[2][name], g, name, grad_rtol)
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize(
+    "opts",
+    [dict(), dict(loss_type="ipo", beta=0.5), dict(loss_type="simpo", cpo_alpha=0.3), dict(loss_type="alphapo")],
+    ids=["sigmoid", "ipo", "simpo", "alphapo"],
+)
+def test_same_batch_same_loss_metrics_grads(tmp_path, tie, opts):
+    stock = loss_metrics_grads(make_trainer(CPOTrainer, tmp_path, tie=tie, **opts))
+    fused = loss_metrics_grads(make_trainer(FusedCPOTrainer, tmp_path, tie=tie, **opts))
+    assert_same(stock, fused)
+    if tie:
+        assert "lm_head.weight" not in fused[2]  # the head's gradient landed in embed_tokens
+
+
+def test_fused_config_and_plain_config_agree(tmp_path):
+    plain = loss_metrics_grads(make_trainer(FusedCPOTrainer, tmp_path))
+    fused_cfg = loss_metrics_grads(
+        make_trainer(FusedCPOTrainer, tmp_path, config_cls=FusedCPOConfig, fused_backend="torch", fused_chunk_bytes=4096)
+    )
+    assert_same(plain, fused_cfg)
+
+
+def test_gradient_accumulation_matches_stock(tmp_path):
+    """Two micro-batches of 2 accumulated: TRL averages per micro-batch (its NLL is a per-micro-batch mean)."""
+
+    def accumulated(cls):
+        trainer = make_trainer(cls, tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2)
+        for rows in (range(0, 2), range(2, 4)):
+            batch = trainer._prepare_inputs(trainer.data_collator([trainer.train_dataset[i] for i in rows]))
+            trainer.compute_loss(trainer.model, batch).div(2).backward()
+        return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+    stock, fused = accumulated(CPOTrainer), accumulated(FusedCPOTrainer)
+    for name, g in stock.items():
+        assert_close_norm(fused[name], g, name)
+
+
+def test_train_and_evaluate_log_the_same_metrics(tmp_path):
+    logs = {}
+    for cls in (CPOTrainer, FusedCPOTrainer):
+        trainer = make_trainer(cls, tmp_path, max_steps=2, logging_steps=1, learning_rate=1e-3, seed=0)
+        trainer.train()
+        logs[cls] = (trainer.state.log_history, trainer.evaluate())
+    (stock_hist, stock_eval), (fused_hist, fused_eval) = logs[CPOTrainer], logs[FusedCPOTrainer]
+    assert fused_eval.keys() == stock_eval.keys()
+    assert "eval_logits/chosen" in fused_eval and "eval_rewards/accuracies" in fused_eval
+    for key, value in stock_eval.items():
+        if "runtime" in key or "per_second" in key:
+            continue
+        assert fused_eval[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+    stock_losses = [h["loss"] for h in stock_hist if "loss" in h]
+    fused_losses = [h["loss"] for h in fused_hist if "loss" in h]
+    assert fused_losses == pytest.approx(stock_losses, rel=1e-4)
+
+
+def test_lora_adapter_on_lm_head_is_refused(tmp_path):
+    from peft import LoraConfig
+
+    with pytest.raises(ValueError, match="lm_head"):
+        make_trainer(
+            FusedCPOTrainer, tmp_path, peft_config=LoraConfig(r=4, target_modules=["q_proj", "lm_head"])
+        )
+
+
+def test_prompt_learning_peft_is_refused(tmp_path):
+    from peft import PromptTuningConfig, TaskType
+
+    with pytest.raises(ValueError, match="prompt learning"):
+        make_trainer(
+            FusedCPOTrainer, tmp_path, peft_config=PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4)
+        )
+
+
+def test_logit_softcap_is_refused(tmp_path):
+    model = toy_model()
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="softcap"):
+        make_trainer(FusedCPOTrainer, tmp_path, model=model)
+
+
+def test_lora_trains_adapters_only_and_matches_stock(tmp_path):
+    from peft import LoraConfig
+
+    def run(cls):
+        torch.manual_seed(0)
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False)
+        return loss_metrics_grads(make_trainer(cls, tmp_path, peft_config=lora))
+
+    stock, fused = run(CPOTrainer), run(FusedCPOTrainer)
+    assert fused[2] and all("lora_" in name for name in fused[2])
+    assert_same(stock, fused)
+
+
+def test_stock_path_when_disabled(tmp_path, caplog):
+    with caplog.at_level(logging.INFO):
+        trainer = make_trainer(FusedCPOTrainer, tmp_path, config_cls=FusedCPOConfig, use_fused_loss=False)
+    assert not trainer.use_fused_loss
+    stock = loss_metrics_grads(make_trainer(CPOTrainer, tmp_path))
+    assert_same(stock, loss_metrics_grads(trainer))
+
+
+def test_generation_is_unchanged_by_the_patch(tmp_path):
+    trainer = make_trainer(FusedCPOTrainer, tmp_path)
+    ids = torch.tensor([[1, 5, 6, 7]])
+    out = trainer.model(ids)
+    assert out.logits.shape == (1, 4, trainer.model.config.vocab_size)
