@@ -1,0 +1,110 @@
+"""Where the fused op's time goes: each stage of one chunk timed alone, and the whole op against the floor.
+
+    python scripts/profile_fused_op.py --batch 16 --chunk-tokens 4096
+
+Prints ms per stage (logits GEMM, log-sum-exp kernel, softmax-grad kernel, dX GEMM, dW GEMM into fp32) for one
+chunk, the whole op (forward + backward) for trainable and frozen heads, and the cuBLAS floor on the same
+tokens. Used for docs/kernel-notes.md; the side-by-side with peers is scripts/benchmark_kernel.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton
+
+from trl_fused_cpo import fused_linear_cpo_loss
+from trl_fused_cpo.ops import rows_triton
+from trl_fused_cpo.ops.function import _accumulate_mm
+
+
+def bench(fn, warmup=25, rep=200) -> float:
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=16, help="sequences (B/2 pairs)")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--vocab", type=int, default=128_256)
+    p.add_argument("--chunk-tokens", type=int, default=4096)
+    p.add_argument("--json", default=None, help="write the numbers here")
+    args = p.parse_args(argv)
+    dev, dt = "cuda", torch.bfloat16
+    b, t, h, v, c = args.batch, args.seq_len, args.hidden, args.vocab, args.chunk_tokens
+    torch.manual_seed(0)
+    hidden = torch.randn(b, t, h, device=dev, dtype=dt)
+    weight = (torch.randn(v, h, device=dev) * (2 / h**0.5)).to(dt)
+    labels = torch.randint(0, v, (b, t), device=dev)
+    labels[:, -1] = -100
+    n = int((labels != -100).sum())
+
+    x = hidden.reshape(-1, h)[:c].contiguous()
+    targets = labels.reshape(-1)[:c].clamp(min=0)
+    logits = x @ weight.t()
+    lse, _ = rows_triton.logsumexp_target(logits, targets)
+    coef = torch.full((c,), -1e-3, device=dev)
+    acc = torch.zeros(v, h, device=dev, dtype=torch.float32)
+    stage = {
+        "logits_gemm": bench(lambda: torch.mm(x, weight.t())),
+        "logsumexp_kernel": bench(lambda: rows_triton.logsumexp_target(logits, targets)),
+        "softmax_grad_kernel": bench(lambda: rows_triton.softmax_grad_(logits, lse, targets, coef)),
+        "dx_gemm": bench(lambda: torch.mm(logits, weight)),
+        "dw_gemm_fp32_acc": bench(lambda: _accumulate_mm(acc, logits.t(), x)),
+        "dw_gemm_bf16": bench(lambda: torch.mm(logits.t(), x)),
+        "index_select": bench(lambda: hidden.reshape(-1, h).index_select(0, torch.arange(c, device=dev))),
+    }
+    flops_chunk = 2 * c * v * h
+    for k in ("logits_gemm", "dx_gemm", "dw_gemm_fp32_acc", "dw_gemm_bf16"):
+        stage[k + "_tflops"] = flops_chunk / stage[k] / 1e9
+
+    x_all, w_all = hidden.reshape(-1, h), weight
+    g_buf = torch.empty(n, v, device=dev, dtype=dt) if n * v * 2 < 40e9 else None
+    floor = {}
+    if g_buf is not None:
+        xs = x_all[:n]
+        floor["trainable"] = bench(lambda: (torch.mm(xs, w_all.t(), out=g_buf), torch.mm(g_buf, w_all), torch.mm(g_buf.t(), xs)))
+        floor["frozen"] = bench(lambda: (torch.mm(xs, w_all.t(), out=g_buf), torch.mm(g_buf, w_all)))
+        floor["forward"] = bench(lambda: torch.mm(xs, w_all.t(), out=g_buf))
+        del g_buf
+    torch.cuda.empty_cache()
+
+    def step(frozen: bool, chunk_bytes=None):
+        hh = hidden.detach().requires_grad_(True)
+        ww = weight.detach().requires_grad_(not frozen)
+        def fn():
+            hh.grad = None
+            ww.grad = None
+            fused_linear_cpo_loss(hh, ww, labels, backend="triton", chunk_bytes=chunk_bytes).loss.backward()
+        return fn
+
+    def peak(fn) -> float:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+    whole = {}
+    for name, frozen, cb in [("trainable", False, None), ("trainable_2GiB", False, 2 << 30), ("frozen", True, None)]:
+        fn = step(frozen, cb)
+        whole[name] = {"ms": bench(fn, warmup=5, rep=40), "peak_gib": peak(fn)}
+    with torch.no_grad():
+        whole["forward"] = {"ms": bench(lambda: fused_linear_cpo_loss(hidden, weight, labels, backend="triton"), 5, 40)}
+    result = {"shape": vars(args), "labelled_tokens": n, "stage_ms_one_chunk": stage, "floor_ms": floor, "fused": whole}
+    for k, f in floor.items():
+        if k in whole:
+            whole[k]["x_floor"] = whole[k]["ms"] / f
+    print(json.dumps(result, indent=1))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
