@@ -7,7 +7,8 @@ export PYTHONUNBUFFERED=1 TRL_EXPERIMENTAL_SILENCE=1
 OUT=${OUT:-outputs/gpu}; mkdir -p "$OUT"
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
   python3 -c "import torch, triton, transformers, trl; print(torch.__version__, triton.__version__, transformers.__version__, trl.__version__)"; } | tee "$OUT/env.txt"
-for what in "${@:-tests profile}"; do
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests profile)
+for what in "${steps[@]}"; do
   case $what in
     tests) python3 -m pytest -q -x tests/gpu tests/ops tests/test_loss.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt" ;;
     profile) python3 scripts/profile_fused_op.py --json "$OUT/profile.json" | tail -60 ;;
