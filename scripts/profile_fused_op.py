@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--vocab", type=int, default=128_256)
     p.add_argument("--chunk-tokens", type=int, default=4096)
     p.add_argument("--json", default=None, help="write the numbers here")
+    p.add_argument("--trace", action="store_true", help="also print a torch.profiler table of one trainable step")
     args = p.parse_args(argv)
     dev, dt = "cuda", torch.bfloat16
     b, t, h, v, c = args.batch, args.seq_len, args.hidden, args.vocab, args.chunk_tokens
@@ -73,15 +74,16 @@ def main(argv: list[str] | None = None) -> dict:
     torch.cuda.empty_cache()
 
     def step(frozen: bool, chunk_bytes=None):
-        hh = hidden.detach().requires_grad_(True)
-        ww = weight.detach().requires_grad_(not frozen)
         def fn():
-            hh.grad = None
-            ww.grad = None
-            fused_linear_cpo_loss(hh, ww, labels, backend="triton", chunk_bytes=chunk_bytes).loss.backward()
+            hidden.requires_grad_(True).grad = None
+            weight.requires_grad_(not frozen).grad = None
+            fused_linear_cpo_loss(hidden, weight, labels, backend="triton", chunk_bytes=chunk_bytes).loss.backward()
         return fn
 
     def peak(fn) -> float:
+        fn()  # leaves .grad set: clear it before the baseline, else the old gradients count as inputs
+        for tensor in (hidden, weight):
+            tensor.grad = None
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
@@ -93,6 +95,17 @@ def main(argv: list[str] | None = None) -> dict:
     for name, frozen, cb in [("trainable", False, None), ("trainable_2GiB", False, 2 << 30), ("frozen", True, None)]:
         fn = step(frozen, cb)
         whole[name] = {"ms": bench(fn, warmup=5, rep=40), "peak_gib": peak(fn)}
+    if args.trace:
+        fn = step(False)
+        fn()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15, max_name_column_width=60))
+        if args.json:
+            prof.export_chrome_trace(args.json.replace(".json", "_trace.json"))
     with torch.no_grad():
         whole["forward"] = {"ms": bench(lambda: fused_linear_cpo_loss(hidden, weight, labels, backend="triton"), 5, 40)}
     result = {"shape": vars(args), "labelled_tokens": n, "stage_ms_one_chunk": stage, "floor_ms": floor, "fused": whole}

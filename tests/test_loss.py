@@ -126,7 +126,7 @@ def test_incoming_gradient_scales_every_gradient():
 
 def test_frozen_weight_gets_no_gradient_and_no_weight_gemm(monkeypatch):
     calls = []
-    monkeypatch.setattr(fused_function, "_accumulate_mm", lambda *a: calls.append(1))
+    monkeypatch.setattr(fused_function, "_accumulate_mm", lambda *a, **k: calls.append(1))
     hidden, weight, _, labels = make_batch(4, 9, 5, 17)
     hidden.requires_grad_(True)
     out = fused_linear_cpo_loss(hidden, weight, labels, backend="torch")
@@ -139,7 +139,7 @@ def test_no_grad_forward_does_no_gradient_work(monkeypatch):
     calls = []
     from trl_fused_cpo.ops import rows_torch
 
-    monkeypatch.setattr(rows_torch, "softmax_grad_", lambda *a: calls.append(1))
+    monkeypatch.setattr(rows_torch, "softmax_grad_", lambda *a, **k: calls.append(1))
     hidden, weight, bias, labels = make_batch(4, 9, 5, 17)
     hidden.requires_grad_(True)
     weight.requires_grad_(True)

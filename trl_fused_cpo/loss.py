@@ -36,7 +36,7 @@ class CPOHyperparams:
 
     @classmethod
     def create(cls, **kwargs) -> CPOHyperparams:
-        loss_type = kwargs.get("loss_type", "sigmoid")
+        loss_type = kwargs.setdefault("loss_type", "sigmoid")
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type={loss_type!r} is not one of {LOSS_TYPES}.")
         if loss_type == "alphapo":  # TRL's CPOConfig.__post_init__ does the same rewrite
@@ -194,7 +194,8 @@ def fused_linear_cpo_loss(
         ignore_index: label value of unlabelled positions.
         backend: ``"triton"`` (fused kernels, CUDA), ``"torch"`` (chunked torch ops, any device) or ``"auto"``.
         chunk_bytes: budget for the one ``[tokens, V]`` logits buffer that exists at a time (default: 1 GiB with
-            a trainable weight, 512 MiB with a frozen one). Smaller saves memory; much smaller costs speed.
+            a trainable weight or under ``torch.no_grad()``, 512 MiB with a frozen one). Smaller saves memory; much
+            smaller costs speed. A pair longer than the budget has its logits computed twice.
 
     Returns:
         A :class:`CPOLossOutput`. Gradients of ``loss`` reach ``hidden``, ``weight`` and ``bias`` where they

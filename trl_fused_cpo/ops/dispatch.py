@@ -13,6 +13,7 @@ from .function import LinearCPOFunction
 
 DEFAULT_CHUNK_BYTES_TRAINABLE = 1 << 30  # with the fp32 dW accumulator (2 GiB at Llama-3 8B) this keeps B=16 < 4 GiB
 DEFAULT_CHUNK_BYTES_FROZEN = 1 << 29  # a whole T=1024 pair (2 x 1023 tokens x 128,256 x 2 B) is 0.49 GiB
+DEFAULT_CHUNK_BYTES_NO_GRAD = 1 << 30  # eval keeps no gradients: larger GEMMs, fewer launches
 
 
 def _triton_available() -> bool:
@@ -49,9 +50,13 @@ def row_ops(backend: str) -> ModuleType:
     return rows_triton
 
 
-def max_chunk_tokens(vocab: int, dtype: torch.dtype, chunk_bytes: int | None, weight_trainable: bool) -> int:
+def max_chunk_tokens(vocab: int, dtype: torch.dtype, chunk_bytes: int | None, *, grad: bool, weight_trainable: bool) -> int:
+    """Tokens per logits buffer for a byte budget (or the default for this mode)."""
     if chunk_bytes is None:
-        chunk_bytes = DEFAULT_CHUNK_BYTES_TRAINABLE if weight_trainable else DEFAULT_CHUNK_BYTES_FROZEN
+        if not grad:
+            chunk_bytes = DEFAULT_CHUNK_BYTES_NO_GRAD
+        else:
+            chunk_bytes = DEFAULT_CHUNK_BYTES_TRAINABLE if weight_trainable else DEFAULT_CHUNK_BYTES_FROZEN
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive; got {chunk_bytes}.")
     return max(1, chunk_bytes // (vocab * torch.finfo(dtype).bits // 8))
@@ -90,7 +95,9 @@ def linear_cpo(
 ) -> CPOLossOutput:
     resolved = resolve_backend(backend, hidden.device)
     grad_on = torch.is_grad_enabled()
-    max_tokens = max_chunk_tokens(weight.shape[0], weight.dtype, chunk_bytes, grad_on and weight.requires_grad)
+    max_tokens = max_chunk_tokens(
+        weight.shape[0], weight.dtype, chunk_bytes, grad=grad_on, weight_trainable=weight.requires_grad
+    )
     loss, chosen_logps, rejected_logps, nll = LinearCPOFunction.apply(
         hidden, weight, bias, labels, hp, ignore_index, max_tokens, row_ops(resolved), grad_on
     )

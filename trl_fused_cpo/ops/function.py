@@ -31,25 +31,30 @@ def _logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 _FP32_OUT_MM: bool | None = None  # whether this torch can write a bf16/fp16 GEMM into an fp32 tensor (CUDA)
 
 
-def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` with ``acc`` float32 and ``a``, ``b`` possibly bf16/fp16.
+def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, first: bool = False) -> None:
+    """``acc += a @ b`` (``acc = a @ b`` when ``first``) with ``acc`` float32 and ``a``, ``b`` possibly bf16/fp16.
 
     fp32 accumulation of ``dW`` across chunks: summing bf16 partial products would round once per chunk, and the
     fused gradient must be no worse than torch's single-GEMM one. On CUDA, cuBLAS reads and writes the fp32 ``C``
-    itself (``out_dtype``), so no bf16 ``[V, H]`` temporary exists.
+    itself (``out_dtype``), so no bf16 ``[V, H]`` temporary exists; ``first`` skips zeroing and reading the 2 GiB
+    accumulator (0.6 ms at Llama-3 8B).
     """
     global _FP32_OUT_MM
     if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
+        torch.mm(a, b, out=acc) if first else acc.addmm_(a, b)
         return
     if a.is_cuda and _FP32_OUT_MM is not False:
         try:
-            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            if first:
+                torch.mm(a, b, out_dtype=torch.float32, out=acc)
+            else:
+                torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
             _FP32_OUT_MM = True
             return
         except (RuntimeError, TypeError):
             _FP32_OUT_MM = False
-    acc.add_(torch.mm(a, b).float()) if a.is_cuda else acc.addmm_(a.float(), b.float())
+    product = torch.mm(a, b).float() if a.is_cuda else torch.mm(a.float(), b.float())
+    acc.copy_(product) if first else acc.add_(product)
 
 
 def _sequence_logps(
@@ -102,7 +107,8 @@ def linear_cpo_forward(
     acc_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32  # per-token and per-row math
     token_logp = torch.empty(plan.num_tokens, device=device, dtype=acc_dtype)
     dx = torch.zeros_like(x_all) if need_dx else None
-    dw = torch.zeros(weight.shape, device=device, dtype=acc_dtype) if need_dw else None
+    dw = torch.empty(weight.shape, device=device, dtype=acc_dtype) if need_dw else None
+    dw_written = False
     db = torch.zeros(vocab, device=device, dtype=acc_dtype) if need_db else None
     num_chosen = plan.num_chosen_tokens
     nll_coef = -hp.cpo_alpha / num_chosen if (hp.cpo_alpha != 0 and num_chosen) else 0.0
@@ -147,7 +153,8 @@ def linear_cpo_forward(
             if need_dx:
                 dx.index_copy_(0, idx, torch.mm(dlogits, weight))
             if need_dw:
-                _accumulate_mm(dw, dlogits.t(), x)
+                _accumulate_mm(dw, dlogits.t(), x, first=not dw_written)
+                dw_written = True
             if need_db:
                 db += dlogits.sum(0, dtype=acc_dtype)
             del x, dlogits
@@ -162,7 +169,7 @@ def linear_cpo_forward(
     loss = loss.to(acc_dtype) + hp.cpo_alpha * nll
     grads = _Grads(
         hidden=None if dx is None else dx.view_as(hidden),
-        weight=None if dw is None else dw.to(weight.dtype),
+        weight=None if dw is None else (dw.to(weight.dtype) if dw_written else torch.zeros_like(weight)),
         bias=None if db is None else db.to(bias.dtype),
     )
     return loss, chosen_logps, rejected_logps, nll, grads
@@ -193,7 +200,9 @@ class LinearCPOFunction(torch.autograd.Function):
         ctx.grads = None  # frees the stored gradients as they are handed over
 
         def scaled(g: torch.Tensor | None) -> torch.Tensor | None:
-            return None if g is None else g.mul_(grad_loss)
+            # Same-dtype scale: a bf16 tensor times an fp32 0-dim tensor takes torch's unvectorised casting path
+            # (1.3 ms for a 1 GiB dW on an H200, against 0.5). The stock path casts grad_output to bf16 too.
+            return None if g is None else g.mul_(grad_loss.to(g.dtype))
 
         # None for labels, hp, ignore_index, max_tokens, rows, grad_enabled: not differentiable.
         return scaled(grads.hidden), scaled(grads.weight), scaled(grads.bias), None, None, None, None, None, None

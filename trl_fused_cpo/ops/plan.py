@@ -81,10 +81,13 @@ def plan_tokens(labels: torch.Tensor, *, ignore_index: int, vocab_size: int, max
     device = labels.device
     pair = torch.arange(num_pairs, device=device)
     row_order = torch.stack([pair, pair + num_pairs], dim=1).flatten()  # chosen i, rejected i, ...
-    positions = row_order[:, None] * seq_len + torch.arange(seq_len, device=device)
-    ordered_mask = mask[row_order]
-    token_index = positions[ordered_mask]
-    token_row = row_order[:, None].expand(rows, seq_len)[ordered_mask]
+    ordered_mask = mask[row_order].flatten()
+    # The labelled positions in order, without the host sync of boolean indexing: N is known from the counts, and
+    # a stable sort puts the True entries first, in order.
+    num_tokens = sum(row_counts_host)
+    flat = torch.sort((~ordered_mask).to(torch.uint8), stable=True).indices[:num_tokens]
+    token_row = row_order[flat // seq_len]
+    token_index = token_row * seq_len + flat % seq_len
     targets = labels.reshape(-1)[token_index].long()
 
     groups: list[ChunkGroup] = []
