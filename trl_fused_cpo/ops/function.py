@@ -8,6 +8,7 @@ buffer. The autograd backward only scales the stored gradients by the incoming o
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -63,15 +64,29 @@ def _sequence_logps(
     """Sequence log-probs of pairs ``[pair_start, pair_end)`` and the per-row divisor (1, or the token count)."""
     rows = plan.row_counts.numel()
     num_pairs = rows // 2
-    sums = torch.zeros(rows, device=token_logp.device, dtype=token_logp.dtype)
-    sums.index_add_(0, plan.token_row[tok_start:tok_end], token_logp[tok_start:tok_end])
-    counts = plan.row_counts.to(token_logp.dtype)
+    # float64 sums: at T = 32k a float32 sum of ~-80,000 loses the difference s_c - s_r to 1e-3 (tests/edge cases)
+    sums = torch.zeros(rows, device=token_logp.device, dtype=torch.float64)
+    sums.index_add_(0, plan.token_row[tok_start:tok_end], token_logp[tok_start:tok_end].double())
+    counts = plan.row_counts.double()
     # TRL divides 0/0 on an empty completion (NaN); a sequence with no labelled token has s = 0 here instead.
     divisor = counts.clamp(min=1) if hp.average_log_prob else torch.ones_like(counts)
     s = sums / divisor
     chosen = slice(pair_start, pair_end)
     rejected = slice(num_pairs + pair_start, num_pairs + pair_end)
     return s[chosen], s[rejected], divisor, s
+
+
+def _warn_where_trl_gives_nan(row_counts: list[int], hp: CPOHyperparams) -> None:
+    """TRL divides 0/0 on empty completions; here the result is finite and documented, with a warning."""
+    empty = [i for i, n in enumerate(row_counts) if n == 0]
+    if empty and hp.average_log_prob:
+        warnings.warn(
+            f"rows {empty[:8]} have no labelled token (prompt fills max_length?): their mean log-prob is taken as 0 "
+            f"(TRL's CPOTrainer gives NaN for loss_type={hp.loss_type!r}).",
+            stacklevel=4,
+        )
+    if hp.cpo_alpha != 0 and sum(row_counts[: len(row_counts) // 2]) == 0:
+        warnings.warn("no chosen row has a labelled token: nll_loss is 0 (TRL's CPOTrainer gives NaN).", stacklevel=4)
 
 
 def linear_cpo_forward(
@@ -111,6 +126,7 @@ def linear_cpo_forward(
     dw_written = False
     db = torch.zeros(vocab, device=device, dtype=acc_dtype) if need_db else None
     num_chosen = plan.num_chosen_tokens
+    _warn_where_trl_gives_nan(plan.row_counts_host, hp)
     nll_coef = -hp.cpo_alpha / num_chosen if (hp.cpo_alpha != 0 and num_chosen) else 0.0
     loss = torch.zeros((), device=device, dtype=torch.float64)
 
@@ -139,7 +155,7 @@ def linear_cpo_forward(
         row_coef = torch.zeros(num_rows, device=device, dtype=torch.float64)
         row_coef[group.pair_start : group.pair_end] = d_chosen
         row_coef[num_pairs + group.pair_start : num_pairs + group.pair_end] = d_rejected
-        row_coef /= divisor
+        row_coef /= divisor.to(row_coef.dtype)
         row_coef[:num_pairs] += nll_coef
         row_coef = row_coef.to(acc_dtype)
         for (s, e), lse in zip(slices, lses, strict=True):
@@ -161,9 +177,10 @@ def linear_cpo_forward(
         kept = None
 
     chosen_logps, rejected_logps, _, _ = _sequence_logps(plan, token_logp, 0, num_pairs, 0, plan.num_tokens, hp)
+    chosen_logps, rejected_logps = chosen_logps.to(acc_dtype), rejected_logps.to(acc_dtype)
     if hp.cpo_alpha != 0 and num_chosen:
         chosen_tokens = plan.token_row < num_pairs
-        nll = -(token_logp * chosen_tokens).sum() / num_chosen
+        nll = (-(token_logp.double() * chosen_tokens).sum() / num_chosen).to(acc_dtype)
     else:
         nll = torch.zeros((), device=device, dtype=acc_dtype)
     loss = loss.to(acc_dtype) + hp.cpo_alpha * nll
