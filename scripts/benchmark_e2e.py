@@ -1,0 +1,901 @@
+"""End to end: TRL's stock ``CPOTrainer`` against ``FusedCPOTrainer`` on Llama-3-shaped models, same config and batches.
+
+For each model shape and micro-batch (pairs per device) it builds a random-init bf16 model on the GPU, a synthetic
+pre-tokenizable preference dataset with realistic lengths, and runs ``--warmup`` + ``--steps`` optimizer steps of
+each trainer with an identical ``CPOConfig`` (TRL defaults otherwise: gradient checkpointing on, bf16). It reports
+the median step time, labelled tok/s (completion tokens of chosen and rejected, EOS included), all tok/s (non-pad
+tokens), peak GPU memory (``max_memory_allocated``, reset before each run, weights and optimizer state included) and
+the loss of every step, then writes ``results.json`` and the plots into ``--out``.
+
+    python scripts/benchmark_e2e.py --model llama3.2-1b                      # 2 + 6 steps x 2 trainers x mb 2,4,8
+    python scripts/benchmark_e2e.py --model llama3-8b --micro-batches 2,4,8
+    python scripts/benchmark_e2e.py --model llama3.2-1b --find-max-batch     # largest micro-batch per trainer
+    python scripts/benchmark_e2e.py --model llama3.2-1b --curve-steps 20     # + a 20-step loss-curve comparison
+    python scripts/benchmark_e2e.py --model toy --micro-batches 2 --steps 2  # CPU smoke test (CI)
+
+Data. ``CPOTrainer.__init__`` always runs ``tokenize_row`` over the text columns (there is no pre-tokenized input
+path), so the text is made to tokenize to known ids: an in-process ``tokenizers`` WordLevel tokenizer over the 128,256
+words ``t0`` ... ``t128255`` (bos ``t128000``, eos ``t128001``, pad ``t128004``, as Llama 3's ids) maps the text
+``"t5 t17 ..."`` to ``[5, 17, ...]`` at ~1 ms per 1,000 tokens. Content ids are drawn below 128,000 so no text ever
+contains a special token. Prompts have 100-400 tokens and completions 100-600 (uniform), so prompt + completion + bos +
+eos <= 1,002 <= ``max_length`` = 1,024 and nothing is truncated. Both trainers get the same rows, the same seed and so
+the same sampler order; the collator (TRL's own ``DPODataCollatorWithPadding``, wrapped to count tokens) records every
+batch, and ``results.json`` says whether both trainers saw identical batches.
+
+Timing. A ``TrainerCallback`` brackets each optimizer step (``on_step_begin`` .. ``on_step_end``: forward, backward,
+clip, optimizer step; the batch fetch is outside) with ``torch.cuda.synchronize()`` + ``perf_counter``. step s is the
+median over the timed steps; tok/s is tokens over time summed over the timed steps (batches differ in length).
+"padded tok/s" counts the [2B, T] positions the model runs, padding included (results.json has all three). Before the
+measured runs of a model, each trainer runs 2 untimed steps once (``--no-process-warmup`` skips it) so one-time costs
+(cuBLAS/SDPA first calls, Triton JIT of the fused kernels) stay out of the first measured run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import trl_fused_cpo  # noqa: E402  (sets TRL_EXPERIMENTAL_SILENCE before trl.experimental imports)
+
+GIB = 1024**3
+LLAMA3_VOCAB = 128_256
+LLAMA3_BOS, LLAMA3_EOS, LLAMA3_PAD, LLAMA3_UNK = 128_000, 128_001, 128_004, 128_002
+CONTENT_VOCAB = 128_000  # content ids stay below the special/reserved range
+
+# Llama-3 family shapes (config.json of the public checkpoints); weights are random.
+_LLAMA32_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500_000.0,
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+LORA_ALL_LINEAR = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": "all-linear"}
+MODELS: dict[str, dict] = {
+    "toy": {"toy": True, "lora": None, "max_length": 128},
+    "llama3.2-1b": {
+        "config": dict(
+            hidden_size=2048,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            intermediate_size=8192,
+            tie_word_embeddings=True,
+            max_position_embeddings=131_072,
+            rope_parameters=_LLAMA32_ROPE,
+        ),
+        "lora": None,  # full fine-tune
+        "label": "Llama-3.2-1B, full fine-tune",
+    },
+    "llama3.2-3b": {
+        "config": dict(
+            hidden_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=24,
+            num_key_value_heads=8,
+            head_dim=128,
+            intermediate_size=8192,
+            tie_word_embeddings=True,
+            max_position_embeddings=131_072,
+            rope_parameters=_LLAMA32_ROPE,
+        ),
+        "lora": LORA_ALL_LINEAR,
+        "label": "Llama-3.2-3B, LoRA r=16 all linear",
+    },
+    "llama3-8b": {
+        "config": dict(
+            hidden_size=4096,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            intermediate_size=14_336,
+            tie_word_embeddings=False,
+            max_position_embeddings=8192,
+            rope_parameters={"rope_type": "default", "rope_theta": 500_000.0},
+        ),
+        "lora": LORA_ALL_LINEAR,
+        "label": "Llama-3-8B, LoRA r=16 all linear",
+    },
+}
+TRAINERS = ("stock", "fused")
+
+
+# ----------------------------------------------------------------------------------------------------------- data
+
+
+_TOKENIZER_CACHE: dict[str, object] = {}
+
+
+def synthetic_tokenizer():
+    """A fast tokenizer whose text ``"t5 t17"`` is ids ``[5, 17]``, over Llama 3's 128,256 ids (built once)."""
+    if "llama3" not in _TOKENIZER_CACHE:
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = {f"t{i}": i for i in range(LLAMA3_VOCAB)}
+        tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=f"t{LLAMA3_UNK}"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        _TOKENIZER_CACHE["llama3"] = PreTrainedTokenizerFast(
+            tokenizer_object=tok,
+            bos_token=f"t{LLAMA3_BOS}",
+            eos_token=f"t{LLAMA3_EOS}",
+            pad_token=f"t{LLAMA3_PAD}",
+            unk_token=f"t{LLAMA3_UNK}",
+        )
+    return _TOKENIZER_CACHE["llama3"]
+
+
+def synthetic_pairs(
+    n: int,
+    seed: int,
+    prompt_len: tuple[int, int] = (100, 400),
+    completion_len: tuple[int, int] = (100, 600),
+    worst_case: bool = False,
+) -> list[dict[str, str]]:
+    """``n`` preference rows of random content tokens; lengths uniform in the ranges (the maxima if worst_case)."""
+    rng = random.Random(seed)
+
+    def words(k: int) -> str:
+        return " ".join(f"t{rng.randrange(CONTENT_VOCAB)}" for _ in range(k))
+
+    def length(lo_hi: tuple[int, int]) -> int:
+        return lo_hi[1] if worst_case else rng.randint(*lo_hi)
+
+    rows = []
+    for _ in range(n):
+        prompt = words(length(prompt_len))
+        # The leading space keeps "prompt + chosen" splitting at the boundary (TRL tokenizes the concatenation).
+        rows.append(
+            {
+                "prompt": prompt,
+                "chosen": " " + words(length(completion_len)),
+                "rejected": " " + words(length(completion_len)),
+            }
+        )
+    return rows
+
+
+def toy_pairs(n: int, seed: int, worst_case: bool = False) -> list[dict[str, str]]:
+    from trl_fused_cpo.toy import load_toy_preferences
+
+    rows = load_toy_preferences("train")
+    if worst_case:
+        rows = sorted(rows, key=lambda r: -(len(r["prompt"]) + max(len(r["chosen"]), len(r["rejected"]))))[:1]
+    return [rows[i % len(rows)] for i in range(n)]
+
+
+class CountingCollator:
+    """TRL's ``DPODataCollatorWithPadding`` (what CPOTrainer builds by default), recording each batch's token counts."""
+
+    def __init__(self, pad_token_id: int):
+        from trl.experimental.utils import DPODataCollatorWithPadding
+
+        self.inner = DPODataCollatorWithPadding(pad_token_id=pad_token_id, is_encoder_decoder=False)
+        self.batches: list[dict[str, int]] = []
+
+    def __call__(self, features):
+        batch = self.inner(features)
+        labelled = nonpad = 0
+        for side in ("chosen", "rejected"):
+            labelled += int((batch[f"{side}_labels"] != -100).sum())
+            nonpad += int(batch[f"{side}_attention_mask"].sum())
+        seq = max(batch["chosen_input_ids"].shape[1], batch["rejected_input_ids"].shape[1])
+        pairs = int(batch["chosen_input_ids"].shape[0])
+        # padded = the [2B, T] positions the model actually runs (CPOTrainer pads chosen and rejected to one T)
+        self.batches.append({"pairs": pairs, "labelled": labelled, "nonpad": nonpad, "padded": 2 * pairs * seq})
+        return batch
+
+
+# ---------------------------------------------------------------------------------------------------------- model
+
+
+def build_model(name: str, device: torch.device, seed: int):
+    """A random-init model of the named shape, built directly on ``device`` (bf16 on CUDA)."""
+    torch.manual_seed(seed)
+    spec = MODELS[name]
+    if spec.get("toy"):
+        from trl_fused_cpo.toy import toy_model
+
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        return toy_model(seed=seed, dtype=dtype).to(device)
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=LLAMA3_VOCAB,
+        hidden_act="silu",
+        rms_norm_eps=1e-5,
+        attention_bias=False,
+        mlp_bias=False,
+        bos_token_id=LLAMA3_BOS,
+        eos_token_id=LLAMA3_EOS,
+        pad_token_id=LLAMA3_PAD,
+        **spec["config"],
+    )
+    config.dtype = torch.bfloat16
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return model
+
+
+def peft_config_for(name: str):
+    lora = MODELS[name]["lora"]
+    if lora is None:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(task_type="CAUSAL_LM", **lora)
+
+
+def tokenizer_for(name: str):
+    if MODELS[name].get("toy"):
+        from trl_fused_cpo.toy import toy_tokenizer
+
+        return toy_tokenizer()
+    return synthetic_tokenizer()
+
+
+def rows_for(name: str, n: int, seed: int, worst_case: bool = False) -> list[dict[str, str]]:
+    if MODELS[name].get("toy"):
+        return toy_pairs(n, seed, worst_case=worst_case)
+    return synthetic_pairs(n, seed, worst_case=worst_case)
+
+
+# ------------------------------------------------------------------------------------------------------- running
+
+
+def _cuda(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if _cuda(device):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and (
+        "out of memory" in text.lower() or "CUBLAS_STATUS_ALLOC_FAILED" in text or "CUDNN_STATUS_ALLOC_FAILED" in text
+    )
+
+
+def make_step_timer(device: torch.device):
+    from transformers import TrainerCallback
+
+    sync = _cuda(device)
+
+    class StepTimer(TrainerCallback):
+        """perf_counter around each optimizer step, the GPU drained on both sides; peak memory after each step."""
+
+        def __init__(self):
+            self.times: list[float] = []
+            self.peaks_gib: list[float] = []
+            self._t0 = None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if sync:
+                torch.cuda.synchronize()
+            self._t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if sync:
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self._t0)
+            if sync:
+                self.peaks_gib.append(torch.cuda.max_memory_allocated() / GIB)
+
+    return StepTimer()
+
+
+def trainer_class(kind: str):
+    if kind == "stock":
+        from trl.experimental.cpo import CPOTrainer
+
+        return CPOTrainer
+    if kind == "fused":
+        from trl_fused_cpo import FusedCPOTrainer
+
+        return FusedCPOTrainer
+    raise ValueError(f"trainer {kind!r} is not one of {TRAINERS}")
+
+
+def make_config(output_dir: str, *, micro_batch: int, max_steps: int, args, device: torch.device, max_length: int):
+    from trl.experimental.cpo import CPOConfig
+
+    return CPOConfig(
+        output_dir=output_dir,
+        per_device_train_batch_size=micro_batch,
+        gradient_accumulation_steps=1,
+        max_steps=max_steps,
+        learning_rate=args.lr,
+        max_length=max_length,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        seed=args.seed,
+        dataloader_num_workers=0,
+        remove_unused_columns=False,  # what CPOTrainer sets itself with its default collator
+        disable_tqdm=True,
+        use_cpu=not _cuda(device),
+        # everything else: TRL's defaults (gradient_checkpointing=True, bf16=True, beta=0.1, cpo_alpha=1.0, sigmoid)
+    )
+
+
+def run_one(
+    model_name: str,
+    kind: str,
+    micro_batch: int,
+    max_steps: int,
+    warmup: int,
+    rows: list[dict[str, str]],
+    args,
+    device: torch.device,
+    tag: str = "bench",
+) -> dict:
+    """``max_steps`` steps of one trainer on a fresh model; timing, tokens, memory and loss of every step."""
+    from datasets import Dataset
+    from transformers import PrinterCallback, ProgressCallback
+
+    free_memory(device)
+    cuda = _cuda(device)
+    rec: dict = {
+        "tag": tag,
+        "model": model_name,
+        "trainer": kind,
+        "micro_batch": micro_batch,
+        "max_steps": max_steps,
+        "warmup_steps": warmup,
+        "ok": False,
+        "oom": False,
+    }
+    if cuda:
+        rec["mem_before_gib"] = torch.cuda.memory_allocated() / GIB  # should be ~0: the previous run was freed
+        if rec["mem_before_gib"] > 0.25:
+            print(f"  warning: {rec['mem_before_gib']:.2f} GiB still allocated from earlier runs", flush=True)
+        torch.cuda.reset_peak_memory_stats()
+    n_rows = micro_batch * max_steps
+    dataset = Dataset.from_list(rows[:n_rows])
+    if len(dataset) < n_rows:
+        raise ValueError(f"need {n_rows} rows, got {len(dataset)}")
+    tokenizer = tokenizer_for(model_name)
+    collator = CountingCollator(tokenizer.pad_token_id)
+    timer = make_step_timer(device)
+    trainer = model = None
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench_e2e_") as tmp:
+        try:
+            model = build_model(model_name, device, args.seed)
+            t_model = time.perf_counter()
+            config = make_config(
+                tmp,
+                micro_batch=micro_batch,
+                max_steps=max_steps,
+                args=args,
+                device=device,
+                max_length=MODELS[model_name].get("max_length", args.max_length),
+            )
+            trainer = trainer_class(kind)(
+                model=model,
+                args=config,
+                train_dataset=dataset,
+                processing_class=tokenizer,
+                data_collator=collator,
+                callbacks=[timer],
+                peft_config=peft_config_for(model_name),
+            )
+            for cb in (PrinterCallback, ProgressCallback):
+                trainer.remove_callback(cb)
+            if kind == "fused":
+                rec["fused_active"] = bool(getattr(trainer, "use_fused_loss", False))
+            t_init = time.perf_counter()
+            trainer.train()
+            t_train = time.perf_counter()
+            rec["build_model_s"] = t_model - t_start
+            rec["init_trainer_s"] = t_init - t_model
+            rec["train_s"] = t_train - t_init
+            history = trainer.state.log_history
+            step_logs = [h for h in history if "loss" in h and "step" in h]
+            rec["losses"] = [float(h["loss"]) for h in step_logs]
+            rec["nll_losses"] = [float(h["nll_loss"]) for h in step_logs if "nll_loss" in h]
+            rec["reward_accuracies"] = [float(h["rewards/accuracies"]) for h in step_logs if "rewards/accuracies" in h]
+            rec["ok"] = True
+        except Exception as exc:  # OOM is a result (find-max-batch); anything else is reported and fails the run
+            rec["oom"] = is_oom(exc)
+            rec["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+            if not rec["oom"]:
+                rec["traceback"] = traceback.format_exc()
+        finally:
+            if trainer is not None:
+                try:
+                    trainer.accelerator.free_memory()
+                except Exception:
+                    pass
+            del trainer, model
+            free_memory(device)
+    rec["wall_s"] = time.perf_counter() - t_start
+    rec["step_times_s"] = timer.times
+    rec["batches"] = collator.batches[: len(timer.times)]
+    if cuda:
+        rec["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+        rec["peak_after_step_gib"] = timer.peaks_gib
+    summarize(rec)
+    return rec
+
+
+def summarize(rec: dict) -> None:
+    """Median step time and tokens/s over the timed steps (those after the warm-up)."""
+    times, batches = rec["step_times_s"], rec["batches"]
+    timed = list(range(min(rec["warmup_steps"], max(len(times) - 1, 0)), len(times)))
+    if not rec["ok"] or not timed:
+        return
+    total_t = sum(times[i] for i in timed)
+    rec["timed_steps"] = len(timed)
+    rec["step_s"] = statistics.median(times[i] for i in timed)
+    for key in ("labelled", "nonpad", "padded"):
+        rec[f"{key}_tok_s"] = sum(batches[i][key] for i in timed) / total_t
+    rec["labelled_per_step"] = statistics.mean(batches[i]["labelled"] for i in timed)
+
+
+# ------------------------------------------------------------------------------------------------ max micro-batch
+
+
+def find_max_batch(model_name: str, kind: str, args, device: torch.device) -> dict:
+    """Largest micro-batch that fits: doubling from --max-batch-start, then bisection to --max-batch-tol.
+
+    Each probe is a fresh model + trainer running --probe-steps steps (the second step is the first with Adam state)
+    on worst-case rows (every prompt and completion at its maximum length), so realistic batches of that size fit.
+    """
+    probes: list[dict] = []
+    cache: dict[int, bool] = {}
+    worst_rows = rows_for(model_name, args.max_batch_cap * args.probe_steps, args.seed + 1, worst_case=True)
+
+    def fits(mb: int) -> bool:
+        if mb not in cache:
+            rec = run_one(model_name, kind, mb, args.probe_steps, 0, worst_rows, args, device, tag="probe")
+            if not rec["ok"] and not rec["oom"]:
+                raise RuntimeError(f"probe {kind} mb={mb} failed: {rec.get('error')}\n{rec.get('traceback', '')}")
+            cache[mb] = rec["ok"]
+            probes.append({k: rec.get(k) for k in ("micro_batch", "ok", "oom", "peak_gib", "step_times_s", "wall_s")})
+            status = "fits" if rec["ok"] else "OOM"
+            peak = f", peak {rec['peak_gib']:.1f} GiB" if rec.get("peak_gib") is not None else ""
+            print(f"  probe {model_name} {kind} micro-batch {mb}: {status}{peak} ({rec['wall_s']:.0f} s)", flush=True)
+        return cache[mb]
+
+    lo, hi = 0, None  # lo fits (0 = nothing yet), hi does not
+    mb = max(1, args.max_batch_start)
+    while mb <= args.max_batch_cap:
+        if fits(mb):
+            lo = mb
+            mb *= 2
+        else:
+            hi = mb
+            break
+    if hi is None:  # reached the cap
+        hi_note = f"cap {args.max_batch_cap} reached"
+    else:
+        while hi - lo > max(1, math.floor(lo * args.max_batch_tol)):
+            mid = (lo + hi) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+        hi_note = f"{hi} does not fit"
+    return {"max_micro_batch": lo, "first_oom": hi, "note": hi_note, "probes": probes}
+
+
+# ------------------------------------------------------------------------------------------------------ reporting
+
+
+def versions() -> dict:
+    from importlib import metadata
+
+    out = {"python": platform.python_version(), "trl_fused_cpo": trl_fused_cpo.__version__}
+    for pkg in ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "triton", "tokenizers"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    out["torch_cuda"] = torch.version.cuda
+    return out
+
+
+def device_info(device: torch.device) -> dict:
+    if not _cuda(device):
+        return {"name": f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)", "cuda": False}
+    props = torch.cuda.get_device_properties(device)
+    return {
+        "name": props.name,
+        "cuda": True,
+        "capability": f"{props.major}.{props.minor}",
+        "total_memory_gib": props.total_memory / GIB,
+        "count": torch.cuda.device_count(),
+    }
+
+
+def compare(runs: list[dict]) -> list[dict]:
+    """fused vs stock at each (model, micro-batch): speed and memory ratios, loss agreement, identical batches."""
+    out = []
+    by_key = {(r["model"], r["micro_batch"], r["trainer"]): r for r in runs}
+    for (model, mb, kind), fused in by_key.items():
+        stock = by_key.get((model, mb, "stock"))
+        if kind != "fused" or stock is None or not (stock["ok"] and fused["ok"]):
+            continue
+        row = {"model": model, "micro_batch": mb}
+        if stock.get("labelled_tok_s") and fused.get("labelled_tok_s"):
+            row["speedup"] = fused["labelled_tok_s"] / stock["labelled_tok_s"]
+            row["step_time_ratio"] = fused["step_s"] / stock["step_s"]
+        if stock.get("peak_gib") and fused.get("peak_gib"):
+            row["memory_ratio"] = fused["peak_gib"] / stock["peak_gib"]
+            row["memory_saved_gib"] = stock["peak_gib"] - fused["peak_gib"]
+        n = min(len(stock["losses"]), len(fused["losses"]))
+        if n:
+            diffs = [abs(a - b) for a, b in zip(stock["losses"][:n], fused["losses"][:n], strict=False)]
+            row["max_abs_loss_diff"] = max(diffs)
+            row["max_rel_loss_diff"] = max(
+                d / max(abs(a), 1e-12) for d, a in zip(diffs, stock["losses"][:n], strict=False)
+            )
+        row["same_batches"] = stock["batches"] == fused["batches"]
+        out.append(row)
+    return out
+
+
+def _fmt(x, spec: str, missing: str = "-") -> str:
+    return missing if x is None else format(x, spec)
+
+
+def print_table(runs: list[dict], comparisons: list[dict], max_batch: dict) -> None:
+    cmp = {(c["model"], c["micro_batch"]): c for c in comparisons}
+    header = [
+        "trainer",
+        "model",
+        "micro-batch",
+        "step s",
+        "labelled tok/s",
+        "all tok/s",
+        "padded tok/s",
+        "peak GiB",
+        "fused/stock",
+    ]
+    lines = []
+    for r in runs:
+        if r["ok"]:
+            cells = [
+                _fmt(r.get("step_s"), ".3f"),
+                _fmt(r.get("labelled_tok_s"), ",.0f"),
+                _fmt(r.get("nonpad_tok_s"), ",.0f"),
+                _fmt(r.get("padded_tok_s"), ",.0f"),
+            ]
+        else:
+            cells = ["OOM" if r["oom"] else "error", "", "", ""]
+        ratio = ""
+        c = cmp.get((r["model"], r["micro_batch"]))
+        if r["trainer"] == "fused" and c is not None:
+            parts = []
+            if "speedup" in c:
+                parts.append(f"{c['speedup']:.2f}x tok/s")
+            if "memory_ratio" in c:
+                parts.append(f"{c['memory_ratio']:.2f}x mem")
+            ratio = ", ".join(parts)
+        mb = str(r["micro_batch"]) + (" (max)" if r["tag"] == "max" else "")
+        lines.append([r["trainer"], r["model"], mb, *cells, _fmt(r.get("peak_gib"), ".1f"), ratio])
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *lines, strict=False)]
+    fmt_row = lambda row: "  ".join(
+        str(x).rjust(w) if i >= 2 else str(x).ljust(w) for i, (x, w) in enumerate(zip(row, widths, strict=False))
+    )
+    print()
+    print(fmt_row(header))
+    print(fmt_row(["-" * w for w in widths]))
+    for line in lines:
+        print(fmt_row(line))
+    print()
+    for c in comparisons:
+        diff = c.get("max_abs_loss_diff")
+        print(
+            f"{c['model']} micro-batch {c['micro_batch']}: max |loss_fused - loss_stock| over steps = "
+            f"{_fmt(diff, '.3g')} (rel {_fmt(c.get('max_rel_loss_diff'), '.2e')}); same batches: {c['same_batches']}"
+        )
+    for model, per_trainer in max_batch.items():
+        for kind, res in per_trainer.items():
+            run = res.get("run") or {}
+            print(
+                f"{model} {kind}: largest micro-batch {res['max_micro_batch']} ({res['note']}); there "
+                f"{_fmt(run.get('labelled_tok_s'), ',.0f')} labelled tok/s, {_fmt(run.get('peak_gib'), '.1f')} GiB"
+            )
+        s, f = (per_trainer.get(k, {}).get("run") or {} for k in ("stock", "fused"))
+        if s.get("labelled_tok_s") and f.get("labelled_tok_s"):
+            print(
+                f"{model}: fused/stock labelled tok/s, each at its largest micro-batch = "
+                f"{f['labelled_tok_s'] / s['labelled_tok_s']:.2f}x"
+            )
+
+
+def write_plots(results: dict, out: Path) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plots written (results.json has every number).")
+        return []
+    written = []
+    runs = [r for r in results["runs"] if r["ok"]]
+    models = list(results["args"]["models"])
+    colors = {"stock": "tab:blue", "fused": "tab:orange"}
+
+    # loss curves: the --curve-steps runs when present, else the benchmark runs, per micro-batch
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=False):
+        curves = [r for r in results.get("curves", []) if r["model"] == model and r["ok"]]
+        source = curves or [r for r in runs if r["model"] == model and r["tag"] == "bench"]
+        mbs = sorted({r["micro_batch"] for r in source})
+        for j, mb in enumerate(mbs):
+            for r in (r for r in source if r["micro_batch"] == mb):
+                steps = list(range(1, len(r["losses"]) + 1))
+                style = dict(ls="-", marker="o", ms=4) if r["trainer"] == "stock" else dict(ls="--", marker="x", ms=7)
+                ax.plot(steps, r["losses"], color=plt.cm.tab10(j), label=f"{r['trainer']} mb={mb}", **style)
+        ax.set_title(f"{model}: loss per step" + (" (curve runs)" if curves else ""))
+        ax.set_xlabel("step")
+        ax.set_ylabel("CPO loss")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "loss_curves.png", dpi=120)
+    plt.close(fig)
+    written.append("loss_curves.png")
+
+    def bars(metric: str, ylabel: str, fname: str):
+        fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+        any_data = False
+        for ax, model in zip(axes[0], models, strict=False):
+            groups: list[tuple[str, dict]] = []
+            bench = [r for r in runs if r["model"] == model and r["tag"] == "bench"]
+            for mb in sorted({r["micro_batch"] for r in bench}):
+                groups.append((str(mb), {r["trainer"]: r for r in bench if r["micro_batch"] == mb}))
+            mx = {r["trainer"]: r for r in runs if r["model"] == model and r["tag"] == "max"}
+            if mx:
+                label = "max\n" + ", ".join(f"{k[0]}={v['micro_batch']}" for k, v in mx.items())
+                groups.append((label, mx))
+            width = 0.38
+            for i, (_label, by_kind) in enumerate(groups):
+                for k, kind in enumerate(TRAINERS):
+                    r = by_kind.get(kind)
+                    if r is None or r.get(metric) is None:
+                        continue
+                    any_data = True
+                    x = i + (k - 0.5) * width
+                    ax.bar(x, r[metric], width, color=colors[kind], label=kind if i == 0 else None)
+                    ax.text(
+                        x,
+                        r[metric],
+                        f"{r[metric]:,.0f}" if r[metric] >= 100 else f"{r[metric]:.1f}",
+                        ha="center",
+                        va="bottom",
+                        fontsize=7,
+                    )
+            ax.set_xticks(range(len(groups)), [g[0] for g in groups])
+            ax.set_xlabel("micro-batch (pairs)")
+            ax.set_ylabel(ylabel)
+            ax.set_title(model)
+            ax.grid(axis="y", alpha=0.3)
+            handles, labels = ax.get_legend_handles_labels()
+            if handles:
+                ax.legend(fontsize=8)
+            else:
+                ax.text(0.5, 0.5, "not measured (no CUDA)", ha="center", va="center", transform=ax.transAxes)
+        fig.tight_layout()
+        fig.savefig(out / fname, dpi=120)
+        plt.close(fig)
+        written.append(fname)
+        return any_data
+
+    bars("labelled_tok_s", "labelled tokens / s", "throughput.png")
+    bars("peak_gib", "peak GPU memory (GiB)", "memory.png")
+    return written
+
+
+# ----------------------------------------------------------------------------------------------------------- main
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", default="llama3.2-1b", help=f"comma list of: {', '.join(MODELS)}")
+    p.add_argument("--micro-batches", default="2,4,8", help="comma list of per-device micro-batches (pairs)")
+    p.add_argument("--trainers", default="stock,fused", help="comma list of: stock, fused")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per run (after --warmup)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps per run")
+    p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--max-length", type=int, default=1024)
+    p.add_argument("--curve-steps", type=int, default=0, help="also run N steps per trainer for loss_curves.png")
+    p.add_argument("--curve-micro-batch", type=int, default=None, help="micro-batch of the curve runs (first of list)")
+    p.add_argument("--find-max-batch", action="store_true", help="search each trainer's largest micro-batch (CUDA)")
+    p.add_argument("--max-batch-start", type=int, default=4)
+    p.add_argument("--max-batch-cap", type=int, default=256)
+    p.add_argument("--max-batch-tol", type=float, default=0.125, help="bisect until (first OOM - fits) <= tol * fits")
+    p.add_argument("--probe-steps", type=int, default=2)
+    p.add_argument(
+        "--no-process-warmup",
+        dest="process_warmup",
+        action="store_false",
+        help="skip the untimed 2-step run of each trainer that precedes the measured runs of each model",
+    )
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
+    p.add_argument("--out", default="outputs/bench_e2e")
+    args = p.parse_args(argv)
+    args.models = [m.strip() for m in args.model.split(",") if m.strip()]
+    args.micro_batch_list = [int(x) for x in args.micro_batches.split(",") if x.strip()]
+    args.trainer_list = [t.strip() for t in args.trainers.split(",") if t.strip()]
+    for m in args.models:
+        if m not in MODELS:
+            p.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
+    for t in args.trainer_list:
+        if t not in TRAINERS:
+            p.error(f"unknown trainer {t!r}; choose from {', '.join(TRAINERS)}")
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(
+        "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device.replace("auto", "cpu")
+    )
+    if not _cuda(device) and any(not MODELS[m].get("toy") for m in args.models):
+        print("The Llama-3 shapes need a CUDA GPU; use --model toy on CPU.", file=sys.stderr)
+        return 2
+    if args.find_max_batch and not _cuda(device):
+        print("--find-max-batch needs CUDA (it catches torch.cuda.OutOfMemoryError); skipped on CPU.")
+        args.find_max_batch = False
+
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    transformers.logging.set_verbosity_error()
+
+    if _cuda(device):  # context, allocator and cuBLAS handle up before the first timed run
+        x = torch.randn(1024, 1024, device=device, dtype=torch.bfloat16)
+        (x @ x).float().sum().item()
+        del x
+        torch.cuda.empty_cache()
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    info = device_info(device)
+    results: dict = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": info,
+        "gpu": info["name"],
+        "versions": versions(),
+        "args": {k: v for k, v in vars(args).items()},
+        "definitions": {
+            "step_s": "median over the timed steps of on_step_begin..on_step_end (cuda-synchronized)",
+            "labelled_tok_s": "completion tokens of chosen + rejected (labels != -100, EOS included) / timed seconds",
+            "nonpad_tok_s": "all non-pad tokens of chosen + rejected (prompt twice) / timed seconds ('all tok/s')",
+            "padded_tok_s": "2 x pairs x padded length: the [2B, T] positions the model runs / timed seconds",
+            "peak_gib": "torch.cuda.max_memory_allocated over the run (reset before model build) / 2**30",
+        },
+        "process_warmup": [],
+        "runs": [],
+        "curves": [],
+        "max_batch": {},
+    }
+    print(f"device: {info['name']}; versions: {results['versions']}", flush=True)
+
+    steps_total = args.warmup + args.steps
+    for model in args.models:
+        n_rows = max(args.micro_batch_list, default=0) * steps_total
+        rows = rows_for(model, n_rows, args.seed)
+        if args.process_warmup and args.micro_batch_list:  # (--micro-batches "" runs only the curve / max search)
+            # One-time costs (CUDA/cuBLAS/SDPA first calls, Triton JIT of the fused kernels, lazy imports) stay out of
+            # the first measured run: 2 untimed steps of each trainer at the smallest micro-batch, results discarded.
+            mb0 = min(args.micro_batch_list)
+            for kind in args.trainer_list:
+                rec = run_one(model, kind, mb0, 2, 2, rows, args, device, tag="process-warmup")
+                results["process_warmup"].append({k: rec.get(k) for k in ("model", "trainer", "ok", "oom", "wall_s")})
+                print(
+                    f"{model} {kind} process warm-up: {'ok' if rec['ok'] else rec.get('error')} "
+                    f"({rec['wall_s']:.0f} s)",
+                    flush=True,
+                )
+        for mb in args.micro_batch_list:
+            for kind in args.trainer_list:
+                rec = run_one(model, kind, mb, steps_total, args.warmup, rows, args, device)
+                results["runs"].append(rec)
+                status = (
+                    f"step {rec['step_s']:.3f} s, {rec['labelled_tok_s']:,.0f} labelled tok/s"
+                    if rec.get("step_s") is not None
+                    else ("OOM" if rec["oom"] else f"ERROR {rec.get('error')}")
+                )
+                peak = f", peak {rec['peak_gib']:.1f} GiB" if rec.get("peak_gib") is not None else ""
+                print(f"{model} {kind} micro-batch {mb}: {status}{peak} (run {rec['wall_s']:.0f} s)", flush=True)
+                if rec.get("traceback"):
+                    print(rec["traceback"], file=sys.stderr)
+
+        if args.curve_steps > 0:
+            cmb = args.curve_micro_batch or (args.micro_batch_list or [2])[0]
+            crow = rows_for(model, cmb * args.curve_steps, args.seed + 2)
+            for kind in args.trainer_list:
+                rec = run_one(model, kind, cmb, args.curve_steps, 0, crow, args, device, tag="curve")
+                results["curves"].append(rec)
+                print(
+                    f"{model} {kind} curve ({args.curve_steps} steps, mb {cmb}): "
+                    f"{'ok' if rec['ok'] else rec.get('error')}",
+                    flush=True,
+                )
+
+        if args.find_max_batch:
+            results["max_batch"][model] = {}
+            for kind in args.trainer_list:
+                res = find_max_batch(model, kind, args, device)
+                if res["max_micro_batch"] > 0:
+                    mb = res["max_micro_batch"]
+                    mrows = rows_for(model, mb * steps_total, args.seed)
+                    rec = run_one(model, kind, mb, steps_total, args.warmup, mrows, args, device, tag="max")
+                    res["run"] = rec
+                    results["runs"].append(rec)
+                results["max_batch"][model][kind] = res
+
+    results["comparisons"] = compare([r for r in results["runs"] if r["tag"] == "bench"])
+    results["max_batch_comparisons"] = []
+    for model, per_trainer in results["max_batch"].items():
+        s, f = (per_trainer.get(k, {}).get("run") or {} for k in ("stock", "fused"))
+        if s.get("labelled_tok_s") and f.get("labelled_tok_s"):
+            results["max_batch_comparisons"].append(
+                {
+                    "model": model,
+                    "stock_micro_batch": s["micro_batch"],
+                    "fused_micro_batch": f["micro_batch"],
+                    "speedup": f["labelled_tok_s"] / s["labelled_tok_s"],
+                    "stock_peak_gib": s.get("peak_gib"),
+                    "fused_peak_gib": f.get("peak_gib"),
+                }
+            )
+    results["total_wall_s"] = time.perf_counter() - t0
+    print_table(results["runs"], results["comparisons"], results["max_batch"])
+    with open(out / "results.json", "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    plots = write_plots(results, out)
+    print(
+        f"wrote {out / 'results.json'}"
+        + (f" and {', '.join(plots)}" if plots else "")
+        + f" (total {results['total_wall_s']:.0f} s)"
+    )
+    failed = [r for r in results["runs"] + results["curves"] if not r["ok"] and not r["oom"]]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
