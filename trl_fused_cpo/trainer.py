@@ -43,6 +43,11 @@ def unsupported_reason(model: nn.Module) -> str | None:
     head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
     if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
         return f"{type(lm).__name__} has no output embedding with a .weight to read. Set use_fused_loss=False."
+    if not head.weight.is_floating_point():
+        return (
+            f"lm_head.weight is quantized ({type(head.weight).__name__}, {head.weight.dtype}); the fused loss reads it "
+            "as a dense matrix. Keep lm_head unquantized (bitsandbytes skips it by default) or set use_fused_loss=False."
+        )
     if hasattr(head, "lora_A") or hasattr(head, "base_layer"):
         return (
             "FusedCPOTrainer reads lm_head.weight directly, so a LoRA adapter on lm_head would never train. "
