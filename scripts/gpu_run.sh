@@ -10,7 +10,17 @@ OUT=${OUT:-outputs/gpu}; mkdir -p "$OUT"
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests profile)
 for what in "${steps[@]}"; do
   case $what in
-    tests) python3 -m pytest -q -x tests/gpu tests/ops tests/test_loss.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt" ;;
+    tests) python3 -m pytest -q tests/gpu tests/ops tests/test_loss.py tests/test_edge_cases.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt" ;;
+    wrappers)
+      run_check() { local name=$1; shift; timeout 240 "$@" 2>&1 | grep -E "^CHECK|Error|error" | tail -4 | sed "s/^/[$name] /" | tee -a "$OUT/wrappers.txt"; }
+      run_check none python3 scripts/check_wrappers.py --check parity --out "$OUT/parity_none.json"
+      run_check none-tied python3 scripts/check_wrappers.py --check parity --tie
+      run_check fsdp2 accelerate launch --config_file configs/fsdp2.yaml --num_processes 1 --mixed_precision no scripts/check_wrappers.py --check parity --out "$OUT/parity_fsdp2.json"
+      run_check fsdp2-tied accelerate launch --config_file configs/fsdp2.yaml --num_processes 1 --mixed_precision no scripts/check_wrappers.py --check parity --tie
+      run_check zero3 accelerate launch --config_file configs/deepspeed_zero3.yaml --num_processes 1 --mixed_precision no scripts/check_wrappers.py --check parity --out "$OUT/parity_zero3.json"
+      run_check zero3-tied accelerate launch --config_file configs/deepspeed_zero3.yaml --num_processes 1 --mixed_precision no scripts/check_wrappers.py --check parity --tie
+      run_check lora python3 scripts/check_wrappers.py --check lora
+      run_check qlora python3 scripts/check_wrappers.py --check qlora ;;
     profile) python3 scripts/profile_fused_op.py --json "$OUT/profile.json" | tail -60 ;;
     kernel) python3 scripts/benchmark_kernel.py --out "$OUT" 2>&1 | tail -80 ;;
     e2e) python3 scripts/benchmark_e2e.py --out "$OUT" 2>&1 | tail -60 ;;

@@ -39,6 +39,9 @@ def lm_head_params(head: nn.Module) -> Iterator[tuple[torch.Tensor, torch.Tensor
     if isinstance(weight, DTensor):
         weight = weight.full_tensor()
         bias = bias.full_tensor() if isinstance(bias, DTensor) else bias
+    if not hasattr(weight, "ds_id"):  # not a ZeRO-3 parameter (TRL's helper assumes one when ZeRO-3 is on)
+        yield weight, bias
+        return
     from trl.trainer.utils import maybe_gather_lm_head_ctx
 
     with maybe_gather_lm_head_ctx(weight, bias):
