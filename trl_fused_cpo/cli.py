@@ -189,30 +189,47 @@ def validate_preference_dataset(dataset, tokenizer=None, *, split: str = "train"
             "tokenizer, set tokenizer.chat_template, or convert the data to the standard (plain text) format."
         )
     has_prompt = "prompt" in columns
-    kept = ["chosen", "rejected"] + (["prompt"] if has_prompt else [])
-    for index, row in enumerate(dataset.select_columns(kept)):
+    if has_prompt:  # as maybe_extract_prompt: a prompt column in the other format than chosen is re-extracted
+        first = dataset[0]
+        has_prompt = is_conversational({"prompt": first["prompt"]}) == is_conversational({"chosen": first["chosen"]})
+    for index, row in enumerate(dataset.select_columns(["chosen", "rejected"])):
         for key in ("chosen", "rejected"):
             if row[key] is None:
                 raise ValueError(f"Example {index} of the {split!r} split has no {key!r} value (None).")
-        if has_prompt:
-            completions = row
-        else:
-            # The prompt is implicit (the shared prefix of chosen and rejected): check what remains after TRL's
-            # own extraction, which is what will be trained on.
-            completions = extract_prompt({"chosen": row["chosen"], "rejected": row["rejected"]})
-        for key in ("chosen", "rejected"):
-            text = _text(completions[key])
-            if text is None:
-                raise ValueError(
-                    f"Example {index} of the {split!r} split: {key!r} is a {type(row[key]).__name__}, expected a "
-                    "string (standard format) or a list of {'role', 'content'} messages (conversational)."
-                )
-            if not text.strip():
-                where = "" if has_prompt else " once the shared prompt prefix is removed"
-                raise ValueError(
-                    f"Example {index} of the {split!r} split has an empty {key!r} completion{where}: its "
-                    "sequence log-prob would be 0/0. Drop or fix that example."
-                )
+        _check_completions(row, index, split, "")
+        if not has_prompt:
+            # The prompt is implicit: TRL takes the shared prefix of chosen and rejected. When one is a prefix of the
+            # other, its completion is empty, and TRL's extract_prompt (off by one there) silently trains on the
+            # prompt's last character or message instead.
+            chosen, rejected = row["chosen"], row["rejected"]
+            for key, a, b in (("chosen", chosen, rejected), ("rejected", rejected, chosen)):
+                if len(a) <= len(b) and b[: len(a)] == a:
+                    raise ValueError(
+                        f"Example {index} of the {split!r} split has an empty {key!r} completion once the shared "
+                        f"prompt prefix is removed ({key} is a prefix of the other side, or equal to it). Drop or fix "
+                        "that example, or give the prompt in its own 'prompt' column."
+                    )
+            _check_completions(
+                extract_prompt({"chosen": chosen, "rejected": rejected}),
+                index,
+                split,
+                " once the shared prompt prefix is removed",
+            )
+
+
+def _check_completions(row: dict, index: int, split: str, where: str) -> None:
+    for key in ("chosen", "rejected"):
+        text = _text(row[key])
+        if text is None:
+            raise ValueError(
+                f"Example {index} of the {split!r} split: {key!r} is a {type(row[key]).__name__}, expected a "
+                "string (standard format) or a list of {'role', 'content'} messages (conversational)."
+            )
+        if not text.strip():
+            raise ValueError(
+                f"Example {index} of the {split!r} split has an empty {key!r} completion{where}: its sequence "
+                "log-prob would be 0/0. Drop or fix that example."
+            )
 
 
 # -------------------------------------------------------------------------------------------------------- model
