@@ -73,6 +73,7 @@ def logits_means(
     num_rows, seq_len, hidden_size = hidden.shape
     vocab = weight.shape[0]
     acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    # No cache across calls: under FSDP2 / ZeRO-3 the gathered head can reuse an address without a version bump.
     w_sum = weight.sum(0, dtype=acc)
     b_sum = bias.sum(dtype=acc) if bias is not None else 0.0
     x = hidden.reshape(num_rows * seq_len, hidden_size)
@@ -95,6 +96,8 @@ def linear_cpo(
 ) -> CPOLossOutput:
     resolved = resolve_backend(backend, hidden.device)
     grad_on = torch.is_grad_enabled()
+    # Queued before the op's one host sync, so the GPU has this to do while the host plans the chunks.
+    row_means = logits_means(hidden.detach(), weight.detach(), None if bias is None else bias.detach())
     max_tokens = max_chunk_tokens(
         weight.shape[0], weight.dtype, chunk_bytes, grad=grad_on, weight_trainable=weight.requires_grad
     )
@@ -103,7 +106,6 @@ def linear_cpo(
     )
     # float64: AlphaPO's exp(-alpha * s) overflows float32 at alpha * |s| > 88
     _, chosen_rewards, rejected_rewards = cpo_pair_losses(chosen_logps.double(), rejected_logps.double(), hp)
-    row_means = logits_means(hidden.detach(), weight.detach(), None if bias is None else bias.detach())
     num_pairs = hidden.shape[0] // 2
     return CPOLossOutput(
         loss=loss,

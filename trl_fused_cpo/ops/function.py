@@ -41,7 +41,7 @@ def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, first
     accumulator (0.6 ms at Llama-3 8B).
     """
     global _FP32_OUT_MM
-    if a.dtype == acc.dtype:
+    if a.dtype == acc.dtype:  # same dtype: fp32 inputs, or a single GEMM written in the input dtype
         torch.mm(a, b, out=acc) if first else acc.addmm_(a, b)
         return
     if a.is_cuda and _FP32_OUT_MM is not False:
@@ -122,7 +122,11 @@ def linear_cpo_forward(
     acc_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32  # per-token and per-row math
     token_logp = torch.empty(plan.num_tokens, device=device, dtype=acc_dtype)
     dx = torch.zeros_like(x_all) if need_dx else None
-    dw = torch.empty(weight.shape, device=device, dtype=acc_dtype) if need_dw else None
+    # One GEMM over every token (a single chunk) rounds dW once, as torch does: write it in the weight dtype.
+    # Several chunks accumulate in fp32, and the backward casts and scales in one pass (scale_cast_kernel).
+    single_gemm = len(plan.groups) == 1 and len(plan.groups[0].slices(max_tokens)) == 1
+    dw_dtype = weight.dtype if single_gemm else acc_dtype
+    dw = torch.empty(weight.shape, device=device, dtype=dw_dtype) if need_dw else None
     dw_written = False
     db = torch.zeros(vocab, device=device, dtype=acc_dtype) if need_db else None
     num_chosen = plan.num_chosen_tokens
@@ -186,8 +190,8 @@ def linear_cpo_forward(
     loss = loss.to(acc_dtype) + hp.cpo_alpha * nll
     grads = _Grads(
         hidden=None if dx is None else dx.view_as(hidden),
-        weight=None if dw is None else (dw.to(weight.dtype) if dw_written else torch.zeros_like(weight)),
-        bias=None if db is None else db.to(bias.dtype),
+        weight=None if dw is None else (dw if dw_written else torch.zeros_like(weight)),
+        bias=db,
     )
     return loss, chosen_logps, rejected_logps, nll, grads
 
@@ -206,6 +210,7 @@ class LinearCPOFunction(torch.autograd.Function):
         )
         # Kept on ctx, not save_for_backward: they are outputs of this op, scaled in place in the backward.
         ctx.grads = grads
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.mark_non_differentiable(chosen_logps, rejected_logps, nll)
         return loss, chosen_logps, rejected_logps, nll
 
@@ -216,10 +221,26 @@ class LinearCPOFunction(torch.autograd.Function):
             raise RuntimeError("fused_linear_cpo_loss: backward ran twice through one forward; run the forward again.")
         ctx.grads = None  # frees the stored gradients as they are handed over
 
-        def scaled(g: torch.Tensor | None) -> torch.Tensor | None:
+        def scaled(g: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+            if g is None:
+                return None
+            if g.dtype != dtype:  # the fp32 dW/db accumulator: cast and scale in one pass
+                return _scale_cast(g, grad_loss, dtype)
             # Same-dtype scale: a bf16 tensor times an fp32 0-dim tensor takes torch's unvectorised casting path
             # (1.3 ms for a 1 GiB dW on an H200, against 0.5). The stock path casts grad_output to bf16 too.
-            return None if g is None else g.mul_(grad_loss.to(g.dtype))
+            return g.mul_(grad_loss.to(g.dtype))
 
+        dtypes = ctx.dtypes
         # None for labels, hp, ignore_index, max_tokens, rows, grad_enabled: not differentiable.
-        return scaled(grads.hidden), scaled(grads.weight), scaled(grads.bias), None, None, None, None, None, None
+        return (
+            scaled(grads.hidden, dtypes[0]), scaled(grads.weight, dtypes[1]), scaled(grads.bias, dtypes[2]),
+            None, None, None, None, None, None,
+        )
+
+
+def _scale_cast(src: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if src.is_cuda:
+        from .scale_cast_kernel import scale_cast
+
+        return scale_cast(src, scale, dtype)
+    return src.mul_(scale).to(dtype)
