@@ -68,3 +68,12 @@ def test_triton_backend_matches_torch_backend(loss_type, with_bias):
         torch.testing.assert_close(getattr(b, name), getattr(a, name), rtol=1e-5, atol=1e-5)
     for x, y in zip(gb, ga, strict=True):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_scale_cast_kernel(dtype):
+    from trl_fused_cpo.ops.scale_cast_kernel import scale_cast
+
+    src = torch.randn(3, 10_001, device=DEVICE)
+    scale = torch.tensor(0.37, device=DEVICE)
+    torch.testing.assert_close(scale_cast(src, scale, dtype), (src * 0.37).to(dtype))
