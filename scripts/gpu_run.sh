@@ -1,29 +1,31 @@
 #!/usr/bin/env bash
-# One device call: install the carried wheels, run the GPU-capable tests, then the stage profile.
-#   (on the GPU machine) bash scripts/gpu_run.sh [what...]   what: tests profile kernel e2e (default: tests profile)
+# One device call: install the carried wheels, then the steps asked for; results under $OUT (at most 8 files).
+#   (on the GPU machine) bash scripts/gpu_run.sh [step...]
+#   steps: tests (GPU-capable tests), profile (stage timings), wrappers (FSDP2 / ZeRO-3 / LoRA / QLoRA checks),
+#          kernel (scripts/benchmark_kernel.py), e2e (scripts/benchmark_e2e.py); default: tests profile
 set -uo pipefail
 bash .whl/gpu-wheels install .whl >/dev/null && export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1 TRL_EXPERIMENTAL_SILENCE=1
 OUT=${OUT:-outputs/gpu}; mkdir -p "$OUT"
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
-  python3 -c "import torch, triton, transformers, trl; print(torch.__version__, triton.__version__, transformers.__version__, trl.__version__)"; } | tee "$OUT/env.txt"
+  python3 -c "import torch, triton, transformers, trl; print(torch.__version__, triton.__version__, transformers.__version__, trl.__version__)"; }
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests profile)
 for what in "${steps[@]}"; do
   case $what in
     tests) python3 -m pytest -q tests/gpu tests/ops tests/test_loss.py tests/test_edge_cases.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt" ;;
     wrappers)
       run_check() { local name=$1; shift; timeout 240 "$@" 2>&1 | grep -E "^CHECK|Error|error" | tail -4 | sed "s/^/[$name] /" | tee -a "$OUT/wrappers.txt"; }
-      run_check none python3 scripts/check_wrappers.py --check parity --out "$OUT/parity_none.json"
+      run_check none python3 scripts/check_wrappers.py --check parity
       run_check none-tied python3 scripts/check_wrappers.py --check parity --tie
-      run_check fsdp2 accelerate launch --config_file configs/fsdp2.yaml --num_processes 1 --mixed_precision no scripts/check_wrappers.py --check parity --out "$OUT/parity_fsdp2.json"
+      run_check fsdp2 accelerate launch --config_file configs/fsdp2.yaml --num_processes 1 --mixed_precision no scripts/check_wrappers.py --check parity
       run_check fsdp2-tied accelerate launch --config_file configs/fsdp2.yaml --num_processes 1 --mixed_precision no scripts/check_wrappers.py --check parity --tie
-      run_check zero3 accelerate launch --config_file configs/deepspeed_zero3.yaml --num_processes 1 --mixed_precision no scripts/check_wrappers.py --check parity --out "$OUT/parity_zero3.json"
+      run_check zero3 accelerate launch --config_file configs/deepspeed_zero3.yaml --num_processes 1 --mixed_precision no scripts/check_wrappers.py --check parity
       run_check zero3-tied accelerate launch --config_file configs/deepspeed_zero3.yaml --num_processes 1 --mixed_precision no scripts/check_wrappers.py --check parity --tie
       run_check lora python3 scripts/check_wrappers.py --check lora
       run_check qlora python3 scripts/check_wrappers.py --check qlora ;;
     profile) python3 scripts/profile_fused_op.py --json "$OUT/profile.json" | tail -60 ;;
-    kernel) python3 scripts/benchmark_kernel.py --out "$OUT" 2>&1 | tail -80 ;;
-    e2e) python3 scripts/benchmark_e2e.py --out "$OUT" 2>&1 | tail -60 ;;
+    kernel) timeout 300 python3 scripts/benchmark_kernel.py --out "$OUT/kernel" 2>&1 | tail -100 ;;
+    e2e) timeout 560 python3 scripts/benchmark_e2e.py --model llama3.2-1b,llama3-8b --micro-batches 2,4,8 --out "$OUT/e2e" 2>&1 | tail -60 ;;
     *) echo "unknown step $what" ;;
   esac
 done
