@@ -26,6 +26,40 @@ FUSED_KWARG = "fused_cpo_labels"
 _HEAD_ONLY_KWARGS = ("labels", "logits_to_keep", "num_items_in_batch", "return_dict")
 
 
+def call_through_head(head: nn.Module, fn: Callable[..., object], hidden: torch.Tensor):
+    """``fn(hidden, weight, bias)`` run as ``head``'s own forward when ``head`` is ZeRO-3 partitioned, else directly.
+
+    ZeRO-3 fetches a module's parameters in its pre-forward hook and, through hooks on the forward's outputs, again
+    in the backward, where the gradient accumulates into them. A direct read of ``lm_head.weight`` gets neither:
+    the weight is numel 0 when its gradient arrives ("size of tensor a (0) must match", seen on an H200 with an
+    untied head). Running the fused loss as the head's forward arms both; the outputs travel as a tuple, which
+    ZeRO-3's hooks walk.
+    """
+    if not hasattr(head.weight, "ds_id"):
+        with lm_head_params(head) as (weight, bias):
+            return fn(hidden, weight, bias)
+    from dataclasses import fields
+
+    result_type = []
+
+    def fused_head_forward(h: torch.Tensor):
+        out = fn(h, head.weight, getattr(head, "bias", None))
+        result_type.append(type(out))
+        return tuple(getattr(out, f.name) for f in fields(out))
+
+    had_own_forward = "forward" in head.__dict__
+    original = head.__dict__.get("forward")
+    head.forward = fused_head_forward
+    try:
+        values = head(hidden)
+    finally:
+        if had_own_forward:
+            head.forward = original
+        else:
+            del head.forward
+    return result_type[0](*values)
+
+
 @contextmanager
 def lm_head_params(head: nn.Module) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
     """The head's full ``(weight, bias)`` for a direct read.

@@ -18,7 +18,7 @@ from torch import nn
 from trl.experimental.cpo import CPOTrainer
 
 from .config import fused_options
-from .distributed import install_fused_forward, lm_head_params
+from .distributed import call_through_head, install_fused_forward
 from .loss import fused_linear_cpo_loss
 
 logger = logging.getLogger(__name__)
@@ -96,30 +96,33 @@ class FusedCPOTrainer(CPOTrainer):
 
     def _head_loss(self, hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor):
         """The fused head, called from inside the model's forward."""
-        with lm_head_params(head) as (weight, bias):
-            # Under autocast (mixed precision with fp32 master weights) the stock head runs in the autocast dtype;
-            # cast explicitly (differentiably) so the op sees one dtype, then keep autocast off inside it.
-            device_type = hidden.device.type
-            if torch.is_autocast_enabled(device_type):
-                dtype = torch.get_autocast_dtype(device_type)
-                hidden, weight = hidden.to(dtype), weight.to(dtype)
-                bias = None if bias is None else bias.to(dtype)
-            autocast_off = torch.autocast(device_type, enabled=False) if device_type in ("cuda", "cpu") else None
-            with autocast_off or contextlib.nullcontext():
-                return fused_linear_cpo_loss(
-                    hidden,
-                    weight,
-                    labels,
-                    bias=bias,
-                    beta=self.beta,
-                    loss_type=self.loss_type,
-                    label_smoothing=self.label_smoothing,
-                    cpo_alpha=self.cpo_alpha,
-                    simpo_gamma=getattr(self, "simpo_gamma", 0.5),
-                    alpha=self.alpha,
-                    backend=self._fused_backend,
-                    chunk_bytes=self._fused_chunk_bytes,
-                )
+        return call_through_head(head, lambda h, w, b: self._fused_loss(h, w, b, labels), hidden)
+
+    def _fused_loss(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor):
+        """The fused op on ``hidden`` and the head's (gathered) parameters."""
+        # Under autocast (mixed precision with fp32 master weights) the stock head runs in the autocast dtype;
+        # cast explicitly (differentiably) so the op sees one dtype, then keep autocast off inside it.
+        device_type = hidden.device.type
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            hidden, weight = hidden.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        autocast_off = torch.autocast(device_type, enabled=False) if device_type in ("cuda", "cpu") else None
+        with autocast_off or contextlib.nullcontext():
+            return fused_linear_cpo_loss(
+                hidden,
+                weight,
+                labels,
+                bias=bias,
+                beta=self.beta,
+                loss_type=self.loss_type,
+                label_smoothing=self.label_smoothing,
+                cpo_alpha=self.cpo_alpha,
+                simpo_gamma=getattr(self, "simpo_gamma", 0.5),
+                alpha=self.alpha,
+                backend=self._fused_backend,
+                chunk_bytes=self._fused_chunk_bytes,
+            )
 
     def get_batch_loss_metrics(
         self, model, batch: dict[str, list | torch.LongTensor], train_eval: Literal["train", "eval"] = "train"
