@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -33,9 +34,18 @@ from trl_fused_cpo.toy import load_toy_preferences, toy_tokenizer  # noqa: E402
 def small_llama(tie: bool, dtype: torch.dtype) -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=32_000, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rope_theta=500_000.0, tie_word_embeddings=tie,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        vocab_size=32_000,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_theta=500_000.0,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )
     return LlamaForCausalLM(config).to(dtype)
 
@@ -72,12 +82,25 @@ def _canonical(name: str) -> str:
 
 def make_trainer(model, out_dir, *, backend, steps=1, lr=0.0, peft_config=None, bf16=False):
     args = FusedCPOConfig(
-        output_dir=out_dir, per_device_train_batch_size=4, max_steps=steps, learning_rate=lr, max_grad_norm=0.0,
-        bf16=bf16, report_to=[], logging_steps=1, gradient_checkpointing=False, save_strategy="no", max_length=64,
-        fused_backend=backend, seed=0, dataloader_drop_last=True,
+        output_dir=out_dir,
+        per_device_train_batch_size=4,
+        max_steps=steps,
+        learning_rate=lr,
+        max_grad_norm=0.0,
+        bf16=bf16,
+        report_to=[],
+        logging_steps=1,
+        gradient_checkpointing=False,
+        save_strategy="no",
+        max_length=64,
+        fused_backend=backend,
+        seed=0,
+        dataloader_drop_last=True,
     )
     data = Dataset.from_list(load_toy_preferences("train")[:4])
-    return FusedCPOTrainer(model=model, args=args, train_dataset=data, processing_class=toy_tokenizer(), peft_config=peft_config)
+    return FusedCPOTrainer(
+        model=model, args=args, train_dataset=data, processing_class=toy_tokenizer(), peft_config=peft_config
+    )
 
 
 def check_parity(args) -> dict:
@@ -104,8 +127,13 @@ def check_parity(args) -> dict:
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     ok = not missing and worst <= tol and abs(wrapped_loss - ref_loss) <= 1e-3 * max(1.0, abs(ref_loss))
     return dict(
-        ok=ok, distributed_type=str(trainer.accelerator.distributed_type), unwrapped_loss=ref_loss,
-        wrapped_loss=wrapped_loss, worst_grad_rel_error=worst, missing_grads=missing, grad_tolerance=tol,
+        ok=ok,
+        distributed_type=str(trainer.accelerator.distributed_type),
+        unwrapped_loss=ref_loss,
+        wrapped_loss=wrapped_loss,
+        worst_grad_rel_error=worst,
+        missing_grads=missing,
+        grad_tolerance=tol,
         grad_errors=errors,
     )
 
@@ -125,8 +153,13 @@ def check_lora(args) -> dict:
     fused_function._accumulate_mm = original
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     only_adapters = bool(trainable) and all("lora_" in n for n in trainable)
-    return dict(ok=only_adapters and not calls and all(map(lambda x: x == x, losses)), trainable_params=len(trainable),
-                only_adapters=only_adapters, head_weight_gemm_calls=len(calls), losses=losses)
+    return dict(
+        ok=only_adapters and not calls and all(map(lambda x: x == x, losses)),
+        trainable_params=len(trainable),
+        only_adapters=only_adapters,
+        head_weight_gemm_calls=len(calls),
+        losses=losses,
+    )
 
 
 def check_qlora(args) -> dict:
@@ -141,8 +174,11 @@ def check_qlora(args) -> dict:
     trainer = make_trainer(model, args.tmp, backend=args.backend, steps=3, lr=1e-3, peft_config=lora, bf16=True)
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return dict(ok=len(losses) == 3 and all(l == l and abs(l) < 1e4 for l in losses), losses=losses,
-                head_dtype=str(trainer.model.get_output_embeddings().weight.dtype))
+    return dict(
+        ok=len(losses) == 3 and all(math.isfinite(x) and abs(x) < 1e4 for x in losses),
+        losses=losses,
+        head_dtype=str(trainer.model.get_output_embeddings().weight.dtype),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

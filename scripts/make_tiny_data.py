@@ -36,7 +36,9 @@ def make_pairs(n: int, rng: random.Random) -> list[dict[str, str]]:
 
 def main() -> None:
     rng = random.Random(1234)
-    rows = [dict(split="train", **p) for p in make_pairs(512, rng)] + [dict(split="test", **p) for p in make_pairs(64, rng)]
+    rows = [dict(split="train", **p) for p in make_pairs(512, rng)] + [
+        dict(split="test", **p) for p in make_pairs(64, rng)
+    ]
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(f"wrote {len(rows)} pairs to {OUT}")

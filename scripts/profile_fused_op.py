@@ -67,7 +67,9 @@ def main(argv: list[str] | None = None) -> dict:
     floor = {}
     if g_buf is not None:
         xs = x_all[:n]
-        floor["trainable"] = bench(lambda: (torch.mm(xs, w_all.t(), out=g_buf), torch.mm(g_buf, w_all), torch.mm(g_buf.t(), xs)))
+        floor["trainable"] = bench(
+            lambda: (torch.mm(xs, w_all.t(), out=g_buf), torch.mm(g_buf, w_all), torch.mm(g_buf.t(), xs))
+        )
         floor["frozen"] = bench(lambda: (torch.mm(xs, w_all.t(), out=g_buf), torch.mm(g_buf, w_all)))
         floor["forward"] = bench(lambda: torch.mm(xs, w_all.t(), out=g_buf))
         del g_buf
@@ -78,6 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
             hidden.requires_grad_(True).grad = None
             weight.requires_grad_(not frozen).grad = None
             fused_linear_cpo_loss(hidden, weight, labels, backend="triton", chunk_bytes=chunk_bytes).loss.backward()
+
         return fn
 
     def peak(fn) -> float:
@@ -99,7 +102,9 @@ def main(argv: list[str] | None = None) -> dict:
         fn = step(False)
         fn()
         torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        ) as prof:
             fn()
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))

@@ -26,21 +26,21 @@ def batch(rows=4, seq_len=9, h=5, v=17, dtype=torch.float32, **kw):
 @pytest.mark.parametrize(
     "mutate,error,match",
     [
-        (lambda h, w, l, b: (h[0], w, l, b), ValueError, r"hidden must be \[2B, T, H\]"),
-        (lambda h, w, l, b: (h, w[:, :-1], l, b), ValueError, "weight must be"),
-        (lambda h, w, l, b: (h, w, l[:, :-1], b), ValueError, "labels must be"),
-        (lambda h, w, l, b: (h[:3], w, l[:3], b), ValueError, "even"),
-        (lambda h, w, l, b: (h, w, l.float(), b), TypeError, "labels must be int64"),
-        (lambda h, w, l, b: (h, w.double(), l, b), TypeError, "same dtype"),
-        (lambda h, w, l, b: (h, w, l, b[:-1]), ValueError, "bias must be"),
-        (lambda h, w, l, b: (h.long(), w.long(), l, b), TypeError, "floating point"),
+        (lambda h, w, y, b: (h[0], w, y, b), ValueError, r"hidden must be \[2B, T, H\]"),
+        (lambda h, w, y, b: (h, w[:, :-1], y, b), ValueError, "weight must be"),
+        (lambda h, w, y, b: (h, w, y[:, :-1], b), ValueError, "labels must be"),
+        (lambda h, w, y, b: (h[:3], w, y[:3], b), ValueError, "even"),
+        (lambda h, w, y, b: (h, w, y.float(), b), TypeError, "labels must be int64"),
+        (lambda h, w, y, b: (h, w.double(), y, b), TypeError, "same dtype"),
+        (lambda h, w, y, b: (h, w, y, b[:-1]), ValueError, "bias must be"),
+        (lambda h, w, y, b: (h.long(), w.long(), y, b), TypeError, "floating point"),
     ],
 )
 def test_bad_shapes_and_dtypes_raise_naming_the_tensors(mutate, error, match):
     hidden, weight, bias, labels = batch()
-    h, w, l, b = mutate(hidden, weight, labels, bias)
+    h, w, y, b = mutate(hidden, weight, labels, bias)
     with pytest.raises(error, match=match):
-        fused_linear_cpo_loss(h, w, l, bias=b, backend="torch")
+        fused_linear_cpo_loss(h, w, y, bias=b, backend="torch")
 
 
 def test_device_mismatch_raises():
@@ -97,7 +97,9 @@ def test_pair_with_an_empty_completion_is_finite_and_warns_where_trl_is_nan(back
     assert out.chosen_logps[1] == 0 and out.rejected_logps[2] == 0
     gh, gw = torch.autograd.grad(out.loss, (h, w))
     assert torch.isfinite(out.loss) and torch.isfinite(gh).all() and torch.isfinite(gw).all()
-    ref = reference_linear_cpo_loss(h, w, labels, CPOHyperparams.create(loss_type=loss_type), compute_dtype=torch.float64)
+    ref = reference_linear_cpo_loss(
+        h, w, labels, CPOHyperparams.create(loss_type=loss_type), compute_dtype=torch.float64
+    )
     torch.testing.assert_close(out.loss, ref.loss.float(), rtol=1e-5, atol=1e-6)
 
 
@@ -167,8 +169,12 @@ def test_property_torch_backend_equals_reference(
     b = leaves[2] if with_bias else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = fused_linear_cpo_loss(leaves[0], leaves[1], labels, bias=b, backend="torch", chunk_bytes=chunk_tokens * v * 8, **opts)
-    ref = reference_linear_cpo_loss(leaves[0], leaves[1], labels, CPOHyperparams.create(**opts), bias=b, compute_dtype=torch.float64)
+        out = fused_linear_cpo_loss(
+            leaves[0], leaves[1], labels, bias=b, backend="torch", chunk_bytes=chunk_tokens * v * 8, **opts
+        )
+    ref = reference_linear_cpo_loss(
+        leaves[0], leaves[1], labels, CPOHyperparams.create(**opts), bias=b, compute_dtype=torch.float64
+    )
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-9, atol=1e-10)
     torch.testing.assert_close(out.chosen_rewards, ref.chosen_rewards.float())
     wrt = leaves if with_bias else leaves[:2]

@@ -78,7 +78,9 @@ def test_same_batch_same_loss_metrics_grads(tmp_path, tie, opts):
 def test_fused_config_and_plain_config_agree(tmp_path):
     plain = loss_metrics_grads(make_trainer(FusedCPOTrainer, tmp_path))
     fused_cfg = loss_metrics_grads(
-        make_trainer(FusedCPOTrainer, tmp_path, config_cls=FusedCPOConfig, fused_backend="torch", fused_chunk_bytes=4096)
+        make_trainer(
+            FusedCPOTrainer, tmp_path, config_cls=FusedCPOConfig, fused_backend="torch", fused_chunk_bytes=4096
+        )
     )
     assert_same(plain, fused_cfg)
 
@@ -120,9 +122,7 @@ def test_lora_adapter_on_lm_head_is_refused(tmp_path):
     from peft import LoraConfig
 
     with pytest.raises(ValueError, match="lm_head"):
-        make_trainer(
-            FusedCPOTrainer, tmp_path, peft_config=LoraConfig(r=4, target_modules=["q_proj", "lm_head"])
-        )
+        make_trainer(FusedCPOTrainer, tmp_path, peft_config=LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
 
 
 def test_prompt_learning_peft_is_refused(tmp_path):
@@ -130,7 +130,9 @@ def test_prompt_learning_peft_is_refused(tmp_path):
 
     with pytest.raises(ValueError, match="prompt learning"):
         make_trainer(
-            FusedCPOTrainer, tmp_path, peft_config=PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4)
+            FusedCPOTrainer,
+            tmp_path,
+            peft_config=PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4),
         )
 
 

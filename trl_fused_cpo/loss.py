@@ -77,9 +77,10 @@ def cpo_pair_losses(
     if hp.loss_type in ("sigmoid", "simpo"):
         if hp.loss_type == "simpo":
             logits = logits - hp.simpo_gamma / hp.beta
-        losses = -F.logsigmoid(hp.beta * logits) * (1 - hp.label_smoothing) - F.logsigmoid(
-            -hp.beta * logits
-        ) * hp.label_smoothing
+        losses = (
+            -F.logsigmoid(hp.beta * logits) * (1 - hp.label_smoothing)
+            - F.logsigmoid(-hp.beta * logits) * hp.label_smoothing
+        )
     elif hp.loss_type == "hinge":
         losses = torch.relu(1 - hp.beta * logits)
     elif hp.loss_type == "ipo":
@@ -214,4 +215,6 @@ def fused_linear_cpo_loss(
     )
     if hp.loss_type in ("hinge", "ipo") and hp.label_smoothing > 0:
         warnings.warn(f"label_smoothing is ignored by loss_type={hp.loss_type!r} (as in TRL).", stacklevel=2)
-    return linear_cpo(hidden, weight, labels, bias, hp, ignore_index=ignore_index, backend=backend, chunk_bytes=chunk_bytes)
+    return linear_cpo(
+        hidden, weight, labels, bias, hp, ignore_index=ignore_index, backend=backend, chunk_bytes=chunk_bytes
+    )

@@ -40,14 +40,23 @@ def errors(dtype, shape, opts, *, bias=False, frozen=False, chunk_bytes=None, se
 
     bias_of = lambda lv: lv["bias"] if bias else None
     truth, g_truth = run(
-        lambda lv: reference_linear_cpo_loss(lv["hidden"], lv["weight"], labels, hp, bias=bias_of(lv),
-                                             compute_dtype=torch.float64), torch.float64)
+        lambda lv: reference_linear_cpo_loss(
+            lv["hidden"], lv["weight"], labels, hp, bias=bias_of(lv), compute_dtype=torch.float64
+        ),
+        torch.float64,
+    )
     plain, g_plain = run(
-        lambda lv: reference_linear_cpo_loss(lv["hidden"], lv["weight"], labels, hp, bias=bias_of(lv),
-                                             compute_dtype=dtype), dtype)
+        lambda lv: reference_linear_cpo_loss(
+            lv["hidden"], lv["weight"], labels, hp, bias=bias_of(lv), compute_dtype=dtype
+        ),
+        dtype,
+    )
     fused, g_fused = run(
-        lambda lv: fused_linear_cpo_loss(lv["hidden"], lv["weight"], labels, bias=bias_of(lv), backend="triton",
-                                         chunk_bytes=chunk_bytes, **opts), dtype)
+        lambda lv: fused_linear_cpo_loss(
+            lv["hidden"], lv["weight"], labels, bias=bias_of(lv), backend="triton", chunk_bytes=chunk_bytes, **opts
+        ),
+        dtype,
+    )
     out = {"loss": (rel(fused.loss, truth.loss), rel(plain.loss, truth.loss))}
     for n in names:
         out[n] = (rel(g_fused[n], g_truth[n]), rel(g_plain[n], g_truth[n]))
@@ -70,8 +79,13 @@ def test_no_worse_than_torch(dtype, shape):
 
 @pytest.mark.parametrize(
     "opts",
-    [dict(loss_type="hinge"), dict(loss_type="ipo", beta=0.5), dict(loss_type="simpo", cpo_alpha=0.5),
-     dict(loss_type="alphapo", alpha=0.2), dict(loss_type="sigmoid", label_smoothing=0.1, cpo_alpha=0.0)],
+    [
+        dict(loss_type="hinge"),
+        dict(loss_type="ipo", beta=0.5),
+        dict(loss_type="simpo", cpo_alpha=0.5),
+        dict(loss_type="alphapo", alpha=0.2),
+        dict(loss_type="sigmoid", label_smoothing=0.1, cpo_alpha=0.0),
+    ],
     ids=lambda o: o["loss_type"],
 )
 def test_every_loss_type(opts):
@@ -110,9 +124,9 @@ def test_large_vocab_rows_past_int32():
     labels[:, -1] = -100
     from trl_fused_cpo.ops import rows_torch, rows_triton
 
-    x = hidden.reshape(-1, h)[: 16_900]
+    x = hidden.reshape(-1, h)[:16_900]
     logits = x @ weight.t()
-    t = labels.reshape(-1)[: 16_900].clamp(min=0)
+    t = labels.reshape(-1)[:16_900].clamp(min=0)
     lse, tgt = rows_triton.logsumexp_target(logits, t)
     lse_ref, tgt_ref = rows_torch.logsumexp_target(logits[-64:], t[-64:])
     torch.testing.assert_close(lse[-64:], lse_ref, rtol=1e-5, atol=1e-4)

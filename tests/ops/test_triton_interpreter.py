@@ -59,8 +59,13 @@ def test_triton_backend_matches_torch_backend(loss_type, with_bias):
     for backend in ("torch", "triton"):
         leaves = [t.clone().requires_grad_(True) for t in (hidden, weight) + ((bias,) if with_bias else ())]
         out = fused_linear_cpo_loss(
-            leaves[0], leaves[1], labels, bias=leaves[2] if with_bias else None, loss_type=loss_type,
-            backend=backend, chunk_bytes=30 * 300 * 4,
+            leaves[0],
+            leaves[1],
+            labels,
+            bias=leaves[2] if with_bias else None,
+            loss_type=loss_type,
+            backend=backend,
+            chunk_bytes=30 * 300 * 4,
         )
         results.append((out, torch.autograd.grad(out.loss, leaves)))
     (a, ga), (b, gb) = results

@@ -50,7 +50,9 @@ def row_ops(backend: str) -> ModuleType:
     return rows_triton
 
 
-def max_chunk_tokens(vocab: int, dtype: torch.dtype, chunk_bytes: int | None, *, grad: bool, weight_trainable: bool) -> int:
+def max_chunk_tokens(
+    vocab: int, dtype: torch.dtype, chunk_bytes: int | None, *, grad: bool, weight_trainable: bool
+) -> int:
     """Tokens per logits buffer for a byte budget (or the default for this mode)."""
     if chunk_bytes is None:
         if not grad:

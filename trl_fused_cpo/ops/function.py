@@ -205,7 +205,14 @@ class LinearCPOFunction(torch.autograd.Function):
         needs = [grad_enabled and n for n in ctx.needs_input_grad[:3]]
         need = (needs[0], needs[1], bias is not None and needs[2])
         loss, chosen_logps, rejected_logps, nll, grads = linear_cpo_forward(
-            hidden, weight, bias, labels, hp, ignore_index=ignore_index, max_tokens=max_tokens, rows=rows,
+            hidden,
+            weight,
+            bias,
+            labels,
+            hp,
+            ignore_index=ignore_index,
+            max_tokens=max_tokens,
+            rows=rows,
             need_grads=need,
         )
         # Kept on ctx, not save_for_backward: they are outputs of this op, scaled in place in the backward.
@@ -233,8 +240,15 @@ class LinearCPOFunction(torch.autograd.Function):
         dtypes = ctx.dtypes
         # None for labels, hp, ignore_index, max_tokens, rows, grad_enabled: not differentiable.
         return (
-            scaled(grads.hidden, dtypes[0]), scaled(grads.weight, dtypes[1]), scaled(grads.bias, dtypes[2]),
-            None, None, None, None, None, None,
+            scaled(grads.hidden, dtypes[0]),
+            scaled(grads.weight, dtypes[1]),
+            scaled(grads.bias, dtypes[2]),
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
         )
 
 
