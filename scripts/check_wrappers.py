@@ -23,30 +23,18 @@ import tempfile
 
 import torch
 from datasets import Dataset
-from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
+from transformers import LlamaForCausalLM, TrainerCallback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from trl_fused_cpo import FusedCPOConfig, FusedCPOTrainer  # noqa: E402
 from trl_fused_cpo.ops import function as fused_function  # noqa: E402
-from trl_fused_cpo.toy import load_toy_preferences, toy_tokenizer  # noqa: E402
+from trl_fused_cpo.toy import load_toy_preferences, toy_config, toy_tokenizer  # noqa: E402
 
 
 def small_llama(tie: bool, dtype: torch.dtype) -> LlamaForCausalLM:
+    """The toy Llama-3 architecture, wider and with a 32k vocabulary so the head is a real GEMM."""
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=32_000,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rope_theta=500_000.0,
-        tie_word_embeddings=tie,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    config = toy_config(32_000, tie_word_embeddings=tie, hidden_size=256, intermediate_size=512)
     return LlamaForCausalLM(config).to(dtype)
 
 
