@@ -169,3 +169,14 @@ def test_generation_is_unchanged_by_the_patch(tmp_path):
     ids = torch.tensor([[1, 5, 6, 7]])
     out = trainer.model(ids)
     assert out.logits.shape == (1, 4, trainer.model.config.vocab_size)
+
+
+def test_rebuilt_model_is_patched_again(tmp_path):
+    """model_init / hyperparameter search replace trainer.model after __init__: the fused forward follows."""
+    trainer = make_trainer(FusedCPOTrainer, tmp_path)
+    first = trainer.model.forward
+    loss_metrics_grads(trainer)
+    assert trainer.model.forward is first  # not re-installed on every step
+    trainer.model = toy_model()
+    stock = loss_metrics_grads(make_trainer(CPOTrainer, tmp_path))
+    assert_same(stock, loss_metrics_grads(trainer))

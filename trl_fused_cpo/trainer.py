@@ -92,7 +92,14 @@ class FusedCPOTrainer(CPOTrainer):
         reason = unsupported_reason(self.model)
         if reason is not None:
             raise ValueError(reason)
-        install_fused_forward(_causal_lm(self.model), self._head_loss)
+        self._ensure_fused_forward()
+
+    def _ensure_fused_forward(self) -> None:
+        """Patch the causal LM's forward, again if ``model_init`` (or a hyperparameter search) rebuilt the model."""
+        lm = _causal_lm(self.model)
+        if getattr(lm, "_fused_cpo_loss_fn", None) != self._head_loss:  # bound methods: ==, not is
+            install_fused_forward(lm, self._head_loss)
+            lm._fused_cpo_loss_fn = self._head_loss
 
     def _head_loss(self, hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor):
         """The fused head, called from inside the model's forward."""
@@ -130,6 +137,7 @@ class FusedCPOTrainer(CPOTrainer):
         """TRL's loss and metrics (same keys and definitions) from the fused op."""
         if not self.use_fused_loss:
             return super().get_batch_loss_metrics(model, batch, train_eval)
+        self._ensure_fused_forward()
         concatenated = self.concatenated_inputs(
             batch, is_encoder_decoder=False, padding_value=self.pad_token_id, device=self.accelerator.device
         )
