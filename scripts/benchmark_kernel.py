@@ -149,8 +149,7 @@ def cpo_loss_from_token_logps(
     return losses.mean() + spec.cpo_alpha * nll
 
 
-def run_fused(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, spec: LossSpec) -> torch.Tensor:
-    """Ours, Triton row passes (CUDA)."""
+def _fused(backend: str, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, spec: LossSpec):
     return trl_fused_cpo.fused_linear_cpo_loss(
         hidden,
         weight,
@@ -158,23 +157,19 @@ def run_fused(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, 
         beta=spec.beta,
         cpo_alpha=spec.cpo_alpha,
         ignore_index=spec.ignore_index,
-        backend="triton",
+        backend=backend,
         chunk_bytes=spec.chunk_bytes,
     ).loss
+
+
+def run_fused(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, spec: LossSpec) -> torch.Tensor:
+    """Ours, Triton row passes (CUDA)."""
+    return _fused("triton", hidden, weight, labels, spec)
 
 
 def run_fused_torch(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, spec: LossSpec) -> torch.Tensor:
     """Ours, the same chunk plan with torch row passes (any device)."""
-    return trl_fused_cpo.fused_linear_cpo_loss(
-        hidden,
-        weight,
-        labels,
-        beta=spec.beta,
-        cpo_alpha=spec.cpo_alpha,
-        ignore_index=spec.ignore_index,
-        backend="torch",
-        chunk_bytes=spec.chunk_bytes,
-    ).loss
+    return _fused("torch", hidden, weight, labels, spec)
 
 
 def run_torch(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, spec: LossSpec) -> torch.Tensor:
