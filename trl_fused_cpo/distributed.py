@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -21,7 +20,6 @@ try:
 except ImportError:  # torch built without distributed
     DTensor = ()
 
-FUSED_KWARG = "fused_cpo_labels"
 # Keys the PEFT wrapper or Trainer may pass that a bare backbone does not take.
 _HEAD_ONLY_KWARGS = ("labels", "logits_to_keep", "num_items_in_batch", "return_dict")
 
@@ -36,8 +34,7 @@ def call_through_head(head: nn.Module, fn: Callable[..., object], hidden: torch.
     ZeRO-3's hooks walk.
     """
     if not hasattr(head.weight, "ds_id"):
-        with lm_head_params(head) as (weight, bias):
-            return fn(hidden, weight, bias)
+        return fn(hidden, *full_head_params(head))
     from dataclasses import fields
 
     result_type = []
@@ -60,26 +57,17 @@ def call_through_head(head: nn.Module, fn: Callable[..., object], hidden: torch.
     return result_type[0](*values)
 
 
-@contextmanager
-def lm_head_params(head: nn.Module) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+def full_head_params(head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The head's full ``(weight, bias)`` for a direct read.
 
     FSDP2 holds parameters as DTensors when the head is outside the module being run: ``full_tensor()`` gathers
-    them, and its backward reduce-scatters the gradient. ZeRO-3 shards them to numel 0 outside the head's own
-    forward: TRL's ``maybe_gather_lm_head_ctx`` gathers them for the duration (the fused op needs them only in its
-    forward, where it also computes their gradients).
+    them, and its backward reduce-scatters the gradient. (ZeRO-3 heads never get here: ``call_through_head``.)
     """
     weight, bias = head.weight, getattr(head, "bias", None)
     if isinstance(weight, DTensor):
         weight = weight.full_tensor()
         bias = bias.full_tensor() if isinstance(bias, DTensor) else bias
-    if not hasattr(weight, "ds_id"):  # not a ZeRO-3 parameter (TRL's helper assumes one when ZeRO-3 is on)
-        yield weight, bias
-        return
-    from trl.trainer.utils import maybe_gather_lm_head_ctx
-
-    with maybe_gather_lm_head_ctx(weight, bias):
-        yield weight, bias
+    return weight, bias
 
 
 def install_fused_forward(causal_lm: nn.Module, loss_fn: Callable[..., object]) -> None:

@@ -60,7 +60,7 @@ def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, first
 
 def _sequence_logps(
     plan: TokenPlan, token_logp: torch.Tensor, pair_start: int, pair_end: int, tok_start: int, tok_end: int, hp
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sequence log-probs of pairs ``[pair_start, pair_end)`` and the per-row divisor (1, or the token count)."""
     rows = plan.row_counts.numel()
     num_pairs = rows // 2
@@ -73,7 +73,7 @@ def _sequence_logps(
     s = sums / divisor
     chosen = slice(pair_start, pair_end)
     rejected = slice(num_pairs + pair_start, num_pairs + pair_end)
-    return s[chosen], s[rejected], divisor, s
+    return s[chosen], s[rejected], divisor
 
 
 def _warn_where_trl_gives_nan(row_counts: list[int], hp: CPOHyperparams) -> None:
@@ -147,7 +147,7 @@ def linear_cpo_forward(
             if len(slices) == 1 and any_grad:
                 kept = (x, logits)
             del logits
-        chosen_s, rejected_s, divisor, _ = _sequence_logps(
+        chosen_s, rejected_s, divisor = _sequence_logps(
             plan, token_logp, group.pair_start, group.pair_end, group.tok_start, group.tok_end, hp
         )
         if not any_grad:
@@ -178,9 +178,8 @@ def linear_cpo_forward(
             if need_db:
                 db += dlogits.sum(0, dtype=acc_dtype)
             del x, dlogits
-        kept = None
 
-    chosen_logps, rejected_logps, _, _ = _sequence_logps(plan, token_logp, 0, num_pairs, 0, plan.num_tokens, hp)
+    chosen_logps, rejected_logps, _ = _sequence_logps(plan, token_logp, 0, num_pairs, 0, plan.num_tokens, hp)
     chosen_logps, rejected_logps = chosen_logps.to(acc_dtype), rejected_logps.to(acc_dtype)
     if hp.cpo_alpha != 0 and num_chosen:
         chosen_tokens = plan.token_row < num_pairs
