@@ -30,12 +30,17 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--vocab", type=int, default=128_256)
-    p.add_argument("--chunk-tokens", type=int, default=4096)
+    p.add_argument("--chunk-tokens", type=int, default=4096, help="tokens of the one-chunk stage timings (≤ B·T)")
     p.add_argument("--json", default=None, help="write the numbers here")
-    p.add_argument("--trace", action="store_true", help="also print a torch.profiler table of one trainable step")
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="also print a torch.profiler table of one trainable, frozen and no-grad call",
+    )
     args = p.parse_args(argv)
     dev, dt = "cuda", torch.bfloat16
-    b, t, h, v, c = args.batch, args.seq_len, args.hidden, args.vocab, args.chunk_tokens
+    b, t, h, v = args.batch, args.seq_len, args.hidden, args.vocab
+    c = min(args.chunk_tokens, b * t - b)
     torch.manual_seed(0)
     hidden = torch.randn(b, t, h, device=dev, dtype=dt)
     weight = (torch.randn(v, h, device=dev) * (2 / h**0.5)).to(dt)
@@ -46,7 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
     x = hidden.reshape(-1, h)[:c].contiguous()
     targets = labels.reshape(-1)[:c].clamp(min=0)
     logits = x @ weight.t()
-    lse, _ = rows_triton.logsumexp_target(logits, targets)
+    lse = rows_triton.logsumexp_target(logits, targets)[0]
     coef = torch.full((c,), -1e-3, device=dev)
     acc = torch.zeros(v, h, device=dev, dtype=torch.float32)
     stage = {
@@ -99,18 +104,23 @@ def main(argv: list[str] | None = None) -> dict:
         fn = step(frozen, cb)
         whole[name] = {"ms": bench(fn, warmup=5, rep=40), "peak_gib": peak(fn)}
     if args.trace:
-        fn = step(False)
-        fn()
-        torch.cuda.synchronize()
-        with torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        ) as prof:
+
+        def forward_only():
+            with torch.no_grad():
+                fused_linear_cpo_loss(hidden, weight, labels, backend="triton")
+
+        for name, fn in [("trainable", step(False)), ("frozen", step(True)), ("forward", forward_only)]:
             fn()
             torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
-        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15, max_name_column_width=60))
-        if args.json:
-            prof.export_chrome_trace(args.json.replace(".json", "_trace.json"))
+            with torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            ) as prof:
+                fn()
+                torch.cuda.synchronize()
+            print(f"--- trace: {name}, B = {b}")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=70))
+            if args.json:
+                prof.export_chrome_trace(args.json.replace(".json", f"_{name}_trace.json"))
     with torch.no_grad():
         whole["forward"] = {"ms": bench(lambda: fused_linear_cpo_loss(hidden, weight, labels, backend="triton"), 5, 40)}
     result = {"shape": vars(args), "labelled_tokens": n, "stage_ms_one_chunk": stage, "floor_ms": floor, "fused": whole}

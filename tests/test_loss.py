@@ -124,6 +124,46 @@ def test_incoming_gradient_scales_every_gradient():
         torch.testing.assert_close(x.grad, 0.25 * y.grad)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_changing_incoming_gradients_are_all_applied(backend):
+    """The forward guesses grad_loss from the last backward (ops/grad_scale.py): right, wrong, zero, back to 1."""
+    hidden, weight, bias, labels = make_batch(4, 9, 5, 17, dtype=torch.float32)
+    ref = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    fused_linear_cpo_loss(ref[0], ref[1], labels, bias=ref[2], backend="torch").loss.backward()
+    for scale in (0.25, 0.25, 3.0, 0.0, 0.0, 1.0, 1.0):
+        leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+        (scale * fused_linear_cpo_loss(leaves[0], leaves[1], labels, bias=leaves[2], backend=backend).loss).backward()
+        for got, want in zip(leaves, ref, strict=True):
+            torch.testing.assert_close(got.grad, scale * want.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_whole_batch_budget_makes_one_gemm_only_for_a_trainable_low_precision_head(monkeypatch):
+    from trl_fused_cpo.ops import rows_torch
+    from trl_fused_cpo.ops.dispatch import whole_batch_tokens
+
+    # Llama-3 8B: a 1 GiB budget holds 4,186 tokens; one GEMM needs no 2 GiB fp32 accumulator, so it may hold 8,372.
+    assert whole_batch_tokens(128_256, 4096, torch.bfloat16, 4186) == 4186 + 4096
+    assert whole_batch_tokens(128_256, 4096, torch.float32, 2093) == 2093
+    hidden, weight, _, labels = make_batch(4, 9, 5, 17, dtype=torch.float32)
+    n = int((labels != -100).sum())
+    plan_args = dict(ignore_index=-100, vocab_size=17, max_tokens=3)
+    one = fused_function.plan_tokens(labels, **plan_args, whole_batch_tokens=n)
+    assert len(one.groups) == 1 and one.max_tokens == n
+    assert len(fused_function.plan_tokens(labels, **plan_args, whole_batch_tokens=n - 1).groups) > 1
+
+    firsts = []
+    real = fused_function._accumulate_mm
+    monkeypatch.setattr(
+        fused_function, "_accumulate_mm", lambda *a, first: (firsts.append(first), real(*a, first=first))
+    )
+    leaves = [t.clone().requires_grad_(True) for t in (hidden, weight)]
+    loss = fused_function.LinearCPOFunction.apply(
+        *leaves, None, labels, CPOHyperparams(), -100, (3, n), rows_torch, True
+    )
+    loss[0].backward()
+    assert firsts == [True]  # one dW GEMM, written directly
+
+
 def test_frozen_weight_gets_no_gradient_and_no_weight_gemm(monkeypatch):
     calls = []
     monkeypatch.setattr(fused_function, "_accumulate_mm", lambda *a, **k: calls.append(1))

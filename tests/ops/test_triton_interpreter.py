@@ -30,10 +30,11 @@ def test_row_kernels_match_torch(dtype, rows, vocab):
     logits = (torch.randn(rows, vocab, generator=g) * 2).to(dtype).to(DEVICE)
     targets = torch.randint(0, vocab, (rows,), generator=g).to(DEVICE)
     coef = torch.randn(rows, generator=g).to(DEVICE)
-    lse, tgt = rows_triton.logsumexp_target(logits, targets)
-    lse_ref, tgt_ref = rows_torch.logsumexp_target(logits, targets)
+    lse, tgt, row_sum = rows_triton.logsumexp_target(logits, targets)
+    lse_ref, tgt_ref, row_sum_ref = rows_torch.logsumexp_target(logits, targets)
     torch.testing.assert_close(lse, lse_ref, rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(tgt, tgt_ref)
+    torch.testing.assert_close(row_sum, row_sum_ref, rtol=1e-5, atol=1e-3)
     got = rows_triton.softmax_grad_(logits.clone(), lse_ref, targets, coef)
     want = rows_torch.softmax_grad_(logits.clone(), lse_ref, targets, coef)
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-5)
@@ -77,8 +78,24 @@ def test_triton_backend_matches_torch_backend(loss_type, with_bias):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_scale_cast_kernel(dtype):
-    from trl_fused_cpo.ops.scale_cast_kernel import scale_cast
+    from trl_fused_cpo.ops.backward_scale_kernels import scale_cast
 
     src = torch.randn(3, 10_001, device=DEVICE)
     scale = torch.tensor(0.37, device=DEVICE)
     torch.testing.assert_close(scale_cast(src, scale, dtype), (src * 0.37).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_rescale_kernel_scales_in_place_and_skips_a_ratio_of_one(dtype):
+    from trl_fused_cpo.ops.backward_scale_kernels import rescale_
+
+    t = torch.randn(5, 7_001, device=DEVICE).to(dtype)  # several grid-stride steps of 8192 elements
+    want = (t.float() * 0.37).to(dtype)
+    out = rescale_(t, torch.tensor(0.37, device=DEVICE))
+    assert out.data_ptr() == t.data_ptr()
+    torch.testing.assert_close(t, want)
+    before = t.clone()
+    rescale_(t, torch.tensor(1.0, device=DEVICE))
+    assert torch.equal(t, before)
+    with pytest.raises(ValueError, match="contiguous"):
+        rescale_(t.t(), torch.tensor(2.0, device=DEVICE))

@@ -64,25 +64,18 @@ def max_chunk_tokens(
     return max(1, chunk_bytes // (vocab * torch.finfo(dtype).bits // 8))
 
 
-@torch.no_grad()
-def logits_means(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows_per_step: int = 4096
-) -> torch.Tensor:
-    """``[2B]`` mean over the vocabulary and all T positions of each row's logits, without the logits.
+def whole_batch_tokens(vocab: int, hidden_size: int, dtype: torch.dtype, max_tokens: int) -> int:
+    """Labelled tokens up to which a trainable head's batch is one GEMM: in the same memory as the chunked path.
 
-    The mean of one position's logits is ``(h · Σ_v w_v + Σ_v b_v) / V``: one pass over W, one mat-vec.
+    Several chunks need an fp32 dW accumulator (4 bytes per weight) beside the budget's buffer; one chunk writes
+    dW in the weight dtype directly and needs no accumulator, so its logits may use the difference: at Llama-3 8B
+    a 1 GiB budget becomes 2 GiB (8,372 tokens, B = 8 of the benchmark), and one GEMM skips the fp32 pass.
     """
-    num_rows, seq_len, hidden_size = hidden.shape
-    vocab = weight.shape[0]
-    acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
-    # No cache across calls: under FSDP2 / ZeRO-3 the gathered head can reuse an address without a version bump.
-    w_sum = weight.sum(0, dtype=acc)
-    b_sum = bias.sum(dtype=acc) if bias is not None else 0.0
-    x = hidden.reshape(num_rows * seq_len, hidden_size)
-    out = torch.empty(num_rows * seq_len, device=hidden.device, dtype=acc)
-    for s in range(0, x.shape[0], rows_per_step):  # fp32 copies of a few thousand rows at a time
-        out[s : s + rows_per_step] = x[s : s + rows_per_step].to(acc) @ w_sum
-    return ((out + b_sum) / vocab).view(num_rows, seq_len).mean(-1).float()
+    itemsize = torch.finfo(dtype).bits // 8
+    if itemsize >= 4:
+        return max_tokens  # fp32 weights: dW is fp32 either way
+    spare = vocab * hidden_size * (4 - itemsize)
+    return max_tokens + spare // (vocab * itemsize)
 
 
 def linear_cpo(
@@ -98,13 +91,11 @@ def linear_cpo(
 ) -> CPOLossOutput:
     resolved = resolve_backend(backend, hidden.device)
     grad_on = torch.is_grad_enabled()
-    # Queued before the op's one host sync, so the GPU has this to do while the host plans the chunks.
-    row_means = logits_means(hidden.detach(), weight.detach(), None if bias is None else bias.detach())
-    max_tokens = max_chunk_tokens(
-        weight.shape[0], weight.dtype, chunk_bytes, grad=grad_on, weight_trainable=weight.requires_grad
-    )
-    loss, chosen_logps, rejected_logps, nll = LinearCPOFunction.apply(
-        hidden, weight, bias, labels, hp, ignore_index, max_tokens, row_ops(resolved), grad_on
+    vocab, hidden_size = weight.shape
+    max_tokens = max_chunk_tokens(vocab, weight.dtype, chunk_bytes, grad=grad_on, weight_trainable=weight.requires_grad)
+    chunk_tokens = (max_tokens, whole_batch_tokens(vocab, hidden_size, weight.dtype, max_tokens))
+    loss, chosen_logps, rejected_logps, nll, row_means = LinearCPOFunction.apply(
+        hidden, weight, bias, labels, hp, ignore_index, chunk_tokens, row_ops(resolved), grad_on
     )
     # float64: AlphaPO's exp(-alpha * s) overflows float32 at alpha * |s| > 88
     _, chosen_rewards, rejected_rewards = cpo_pair_losses(chosen_logps.double(), rejected_logps.double(), hp)

@@ -3,7 +3,12 @@
 Per chunk of whole pairs (DESIGN.md §4): logits GEMM → per-token log-sum-exp and target logit → the chunk's CPO
 loss and per-token coefficients ``g_t = ∂L/∂log p_t`` → ``dlogits = g_t·(onehot − softmax)`` written over the
 logits buffer → ``dX = dlogits·W``, ``dW += dlogitsᵀ·X``. Three GEMMs per token (``6NVH``), one ``[C, V]``
-buffer. The autograd backward only scales the stored gradients by the incoming one.
+buffer. The gradients are computed for a guess of the incoming gradient (``grad_scale.py``); the autograd
+backward corrects them, which is free when the guess was right.
+
+The ``logits/*`` metrics (the mean logit over every position, TRL's ``logits.mean()``) come from the same pass:
+the log-sum-exp kernel also sums each labelled row, and the first chunk's GEMM carries 2B extra rows, each row's
+sum of unlabelled hidden states, whose logits sum to that row's unlabelled logits (the product is linear).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from types import ModuleType
 import torch
 
 from ..loss import CPOHyperparams, cpo_pair_loss_grads, cpo_pair_losses
+from . import grad_scale
 from .plan import TokenPlan, plan_tokens
 
 
@@ -27,6 +33,30 @@ class _Grads:
 
 def _logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
+
+
+def _unlabelled_hidden_sums(hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """``[2B, H]``: each row's sum of hidden states over its unlabelled positions, in the hidden dtype."""
+    unlabelled = (labels == ignore_index).to(hidden.dtype)
+    return torch.bmm(unlabelled[:, None, :], hidden).squeeze(1)  # one read of hidden, fp32 accumulation
+
+
+def _row_logit_means(
+    plan: TokenPlan,
+    token_sum: torch.Tensor,
+    unlabelled_sum: torch.Tensor,
+    bias: torch.Tensor | None,
+    seq_len: int,
+    vocab: int,
+) -> torch.Tensor:
+    """``[2B]`` float32: each row's mean logit over its T positions and the vocabulary."""
+    rows = plan.row_counts.numel()
+    total = torch.zeros(rows, device=token_sum.device, dtype=torch.float64)
+    total.index_add_(0, plan.token_row, token_sum.double())
+    total += unlabelled_sum.double()
+    if bias is not None:  # an extra row's logits carry the bias once; its positions carry it once each
+        total += (seq_len - plan.row_counts - 1).double() * bias.detach().sum(dtype=torch.float64)
+    return (total / (seq_len * vocab)).float()
 
 
 _FP32_OUT_MM: bool | None = None  # whether this torch can write a bf16/fp16 GEMM into an fp32 tensor (CUDA)
@@ -98,9 +128,10 @@ def linear_cpo_forward(
     *,
     ignore_index: int,
     max_tokens: int,
+    whole_batch_tokens: int | None,
     rows: ModuleType,
     need_grads: tuple[bool, bool, bool],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, _Grads]:
+):
     """Loss, sequence log-probs, NLL and (where ``need_grads``) the gradients of hidden, weight and bias.
 
     Args:
@@ -108,22 +139,35 @@ def linear_cpo_forward(
         need_grads: whether hidden, weight, bias need a gradient.
 
     Returns:
-        ``(loss, chosen_logps [B], rejected_logps [B], nll, grads)``.
+        ``(loss, chosen_logps [B], rejected_logps [B], nll, row_logit_means [2B], grads, guess)``, the gradients
+        computed for an incoming gradient of ``guess`` (``grad_scale.py``; ``None`` without gradients).
     """
     num_rows, seq_len, hidden_size = hidden.shape
     num_pairs = num_rows // 2
     vocab = weight.shape[0]
     device = hidden.device
-    plan = plan_tokens(labels, ignore_index=ignore_index, vocab_size=vocab, max_tokens=max_tokens)
-    x_all = hidden.reshape(num_rows * seq_len, hidden_size)
     need_dx, need_dw, need_db = need_grads
+    # Queued before the plan's host sync: the GPU does this while the host plans.
+    unlabelled_hidden = _unlabelled_hidden_sums(hidden.detach(), labels, ignore_index)
+    plan = plan_tokens(
+        labels,
+        ignore_index=ignore_index,
+        vocab_size=vocab,
+        max_tokens=max_tokens,
+        whole_batch_tokens=whole_batch_tokens if need_dw else None,
+    )
+    max_tokens = plan.max_tokens
+    x_all = hidden.reshape(num_rows * seq_len, hidden_size)
     any_grad = need_dx or need_dw or need_db
 
     acc_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32  # per-token and per-row math
     token_logp = torch.empty(plan.num_tokens, device=device, dtype=acc_dtype)
+    token_sum = torch.empty(plan.num_tokens, device=device, dtype=acc_dtype)  # each labelled row's logit sum
+    unlabelled_sum = None
+    guess = grad_scale.guess(device, acc_dtype) if any_grad else None
     dx = torch.zeros_like(x_all) if need_dx else None
     # One GEMM over every token (a single chunk) rounds dW once, as torch does: write it in the weight dtype.
-    # Several chunks accumulate in fp32, and the backward casts and scales in one pass (scale_cast_kernel).
+    # Several chunks accumulate in fp32, and the backward casts and scales in one pass (backward_scale_kernels).
     single_gemm = len(plan.groups) == 1 and len(plan.groups[0].slices(max_tokens)) == 1
     dw_dtype = weight.dtype if single_gemm else acc_dtype
     dw = torch.empty(weight.shape, device=device, dtype=dw_dtype) if need_dw else None
@@ -140,8 +184,14 @@ def linear_cpo_forward(
         lses = []
         for s, e in slices:
             x = x_all.index_select(0, plan.token_index[s:e])
+            extra = unlabelled_sum is None  # the first GEMM also takes the 2B unlabelled-sum rows
+            if extra:
+                x = torch.cat([x, unlabelled_hidden])
             logits = _logits(x, weight, bias)
-            lse, target_logit = rows.logsumexp_target(logits, plan.targets[s:e])
+            if extra:
+                unlabelled_sum = logits[e - s :].sum(-1, dtype=acc_dtype)
+                x, logits = x[: e - s], logits[: e - s]  # row prefixes: still contiguous
+            lse, target_logit, token_sum[s:e] = rows.logsumexp_target(logits, plan.targets[s:e])
             token_logp[s:e] = target_logit - lse
             lses.append(lse)
             if len(slices) == 1 and any_grad:
@@ -161,7 +211,7 @@ def linear_cpo_forward(
         row_coef[num_pairs + group.pair_start : num_pairs + group.pair_end] = d_rejected
         row_coef /= divisor.to(row_coef.dtype)
         row_coef[:num_pairs] += nll_coef
-        row_coef = row_coef.to(acc_dtype)
+        row_coef = row_coef.to(acc_dtype) * guess
         for (s, e), lse in zip(slices, lses, strict=True):
             idx = plan.token_index[s:e]
             if kept is not None:
@@ -179,6 +229,9 @@ def linear_cpo_forward(
                 db += dlogits.sum(0, dtype=acc_dtype)
             del x, dlogits
 
+    if unlabelled_sum is None:  # no labelled token at all: no chunk GEMM carried the extra rows
+        unlabelled_sum = _logits(unlabelled_hidden, weight.detach(), bias).sum(-1, dtype=acc_dtype)
+    row_means = _row_logit_means(plan, token_sum, unlabelled_sum, bias, seq_len, vocab)
     chosen_logps, rejected_logps, _ = _sequence_logps(plan, token_logp, 0, num_pairs, 0, plan.num_tokens, hp)
     chosen_logps, rejected_logps = chosen_logps.to(acc_dtype), rejected_logps.to(acc_dtype)
     if hp.cpo_alpha != 0 and num_chosen:
@@ -192,18 +245,19 @@ def linear_cpo_forward(
         weight=None if dw is None else (dw if dw_written else torch.zeros_like(weight)),
         bias=db,
     )
-    return loss, chosen_logps, rejected_logps, nll, grads
+    return loss, chosen_logps, rejected_logps, nll, row_means, grads, guess
 
 
 class LinearCPOFunction(torch.autograd.Function):
-    """Autograd wrapper: gradients are computed in the forward; the backward scales them by ``grad_loss``."""
+    """Autograd wrapper: gradients are computed in the forward; the backward corrects their scale."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, hp, ignore_index, max_tokens, rows, grad_enabled):
+    def forward(ctx, hidden, weight, bias, labels, hp, ignore_index, chunk_tokens, rows, grad_enabled):
         # needs_input_grad follows requires_grad even under torch.no_grad(); eval must do forward work only.
         needs = [grad_enabled and n for n in ctx.needs_input_grad[:3]]
         need = (needs[0], needs[1], bias is not None and needs[2])
-        loss, chosen_logps, rejected_logps, nll, grads = linear_cpo_forward(
+        max_tokens, whole_batch_tokens = chunk_tokens
+        loss, chosen_logps, rejected_logps, nll, row_means, grads, guess = linear_cpo_forward(
             hidden,
             weight,
             bias,
@@ -211,37 +265,30 @@ class LinearCPOFunction(torch.autograd.Function):
             hp,
             ignore_index=ignore_index,
             max_tokens=max_tokens,
+            whole_batch_tokens=whole_batch_tokens,
             rows=rows,
             need_grads=need,
         )
-        # Kept on ctx, not save_for_backward: they are outputs of this op, scaled in place in the backward.
+        # Kept on ctx, not save_for_backward: they are outputs of this op, corrected in place in the backward.
         ctx.grads = grads
+        ctx.guess = guess
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        ctx.mark_non_differentiable(chosen_logps, rejected_logps, nll)
-        return loss, chosen_logps, rejected_logps, nll
+        ctx.mark_non_differentiable(chosen_logps, rejected_logps, nll, row_means)
+        return loss, chosen_logps, rejected_logps, nll, row_means
 
     @staticmethod
-    def backward(ctx, grad_loss, _chosen, _rejected, _nll):
+    def backward(ctx, grad_loss, _chosen, _rejected, _nll, _means):
         grads = ctx.grads
         if grads is None:
             raise RuntimeError("fused_linear_cpo_loss: backward ran twice through one forward; run the forward again.")
         ctx.grads = None  # frees the stored gradients as they are handed over
-
-        def scaled(g: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
-            if g is None:
-                return None
-            if g.dtype != dtype:  # the fp32 dW/db accumulator: cast and scale in one pass
-                return _scale_cast(g, grad_loss, dtype)
-            # Same-dtype scale: a bf16 tensor times an fp32 0-dim tensor takes torch's unvectorised casting path
-            # (1.3 ms for a 1 GiB dW on an H200, against 0.5). The stock path casts grad_output to bf16 too.
-            return g.mul_(grad_loss.to(g.dtype))
-
+        ratio = grad_scale.correction(grad_loss, ctx.guess)
         dtypes = ctx.dtypes
-        # None for labels, hp, ignore_index, max_tokens, rows, grad_enabled: not differentiable.
+        # None for labels, hp, ignore_index, chunk_tokens, rows, grad_enabled: not differentiable.
         return (
-            scaled(grads.hidden, dtypes[0]),
-            scaled(grads.weight, dtypes[1]),
-            scaled(grads.bias, dtypes[2]),
+            grad_scale.apply(grads.hidden, ratio, dtypes[0]),
+            grad_scale.apply(grads.weight, ratio, dtypes[1]),
+            grad_scale.apply(grads.bias, ratio, dtypes[2]),
             None,
             None,
             None,
@@ -249,11 +296,3 @@ class LinearCPOFunction(torch.autograd.Function):
             None,
             None,
         )
-
-
-def _scale_cast(src: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if src.is_cuda:
-        from .scale_cast_kernel import scale_cast
-
-        return scale_cast(src, scale, dtype)
-    return src.mul_(scale).to(dtype)

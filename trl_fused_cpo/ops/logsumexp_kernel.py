@@ -1,4 +1,7 @@
-"""Triton kernel: per-row log-sum-exp and target logit of a ``[C, V]`` logits chunk, one pass over each row."""
+"""Triton kernel: per-row log-sum-exp, target logit and sum of a ``[C, V]`` logits chunk, one pass over each row.
+
+The sum is for the ``logits/*`` metrics: it rides on the pass that reads every logit anyway.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ def _logsumexp_target_kernel(
     targets_ptr,
     lse_ptr,
     target_logit_ptr,
+    row_sum_ptr,
     # sizes and strides
     V,
     stride_row,
@@ -25,19 +29,22 @@ def _logsumexp_target_kernel(
     offsets = tl.arange(0, BLOCK_V)
     m = float("-inf")
     s = 0.0
+    total = 0.0
     for start in tl.range(0, V, BLOCK_V):
         cols = start + offsets
         x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, axis=0))
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        total += tl.sum(tl.where(cols < V, x, 0.0), axis=0)
         m = m_new
     target = tl.load(targets_ptr + row)
     tl.store(lse_ptr + row, m + tl.log(s))
+    tl.store(row_sum_ptr + row, total)
     tl.store(target_logit_ptr + row, tl.load(row_ptr + target).to(tl.float32))
 
 
-def logsumexp_target(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row log-sum-exp and target logit (float32) of ``logits`` ``[C, V]`` for ``targets`` ``[C]``."""
+def logsumexp_target(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row log-sum-exp, target logit and sum (float32) of ``logits`` ``[C, V]`` for ``targets`` ``[C]``."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"logits must be a row-major [C, V] matrix; got shape {tuple(logits.shape)}")
     rows, vocab = logits.shape
@@ -45,9 +52,10 @@ def logsumexp_target(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch
         raise ValueError(f"targets must be [{rows}]; got {tuple(targets.shape)}")
     lse = torch.empty(rows, device=logits.device, dtype=torch.float32)
     target_logit = torch.empty_like(lse)
+    row_sum = torch.empty_like(lse)
     if rows:
         # 4096 bf16 = 8 KB a step, 16 per thread at 8 warps: enough bytes in flight to stream one 256 KB row.
         _logsumexp_target_kernel[(rows,)](
-            logits, targets, lse, target_logit, vocab, logits.stride(0), BLOCK_V=4096, num_warps=8
+            logits, targets, lse, target_logit, row_sum, vocab, logits.stride(0), BLOCK_V=4096, num_warps=8
         )
-    return lse, target_logit
+    return lse, target_logit, row_sum

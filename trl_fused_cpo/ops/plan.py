@@ -40,6 +40,7 @@ class TokenPlan:
         row_counts: ``[2B]`` int64 on the device, labelled tokens per row.
         row_counts_host: the same on the host.
         groups: the pair-aligned chunks, in token order.
+        max_tokens: the logits buffer's row budget the groups were cut for.
     """
 
     token_index: torch.Tensor
@@ -48,6 +49,7 @@ class TokenPlan:
     row_counts: torch.Tensor
     row_counts_host: list[int]
     groups: list[ChunkGroup]
+    max_tokens: int
 
     @property
     def num_tokens(self) -> int:
@@ -58,8 +60,13 @@ class TokenPlan:
         return sum(self.row_counts_host[: len(self.row_counts_host) // 2])
 
 
-def plan_tokens(labels: torch.Tensor, *, ignore_index: int, vocab_size: int, max_tokens: int) -> TokenPlan:
+def plan_tokens(
+    labels: torch.Tensor, *, ignore_index: int, vocab_size: int, max_tokens: int, whole_batch_tokens: int | None = None
+) -> TokenPlan:
     """Compact the labelled positions of ``labels`` ``[2B, T]`` into pair-ordered, budgeted chunks.
+
+    ``whole_batch_tokens``: a batch with at most this many labelled tokens is one chunk whatever ``max_tokens``
+    says (the caller's larger budget for a single GEMM, which needs no fp32 weight-gradient accumulator).
 
     One host synchronisation: the per-row counts (and the count of out-of-range labels, checked here so that a
     bad id raises instead of reading past the weight matrix).
@@ -85,6 +92,8 @@ def plan_tokens(labels: torch.Tensor, *, ignore_index: int, vocab_size: int, max
     # The labelled positions in order, without the host sync of boolean indexing: N is known from the counts, and
     # a stable sort puts the True entries first, in order.
     num_tokens = sum(row_counts_host)
+    if whole_batch_tokens is not None and num_tokens <= whole_batch_tokens:
+        max_tokens = max(max_tokens, num_tokens)
     flat = torch.sort((~ordered_mask).to(torch.uint8), stable=True).indices[:num_tokens]
     token_row = row_order[flat // seq_len]
     token_index = token_row * seq_len + flat % seq_len
@@ -99,4 +108,4 @@ def plan_tokens(labels: torch.Tensor, *, ignore_index: int, vocab_size: int, max
             start_pair, start_tok = i, tok
         tok += n
     groups.append(ChunkGroup(start_pair, num_pairs, start_tok, tok))
-    return TokenPlan(token_index, token_row, targets, row_counts, row_counts_host, groups)
+    return TokenPlan(token_index, token_row, targets, row_counts, row_counts_host, groups, max_tokens)

@@ -5,15 +5,15 @@ from __future__ import annotations
 import torch
 
 
-def logsumexp_target(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row log-sum-exp and target logit, float32 (float64 for float64 logits).
+def logsumexp_target(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row log-sum-exp, target logit and sum, float32 (float64 for float64 logits).
 
     Args:
         logits: ``[C, V]`` logits of one chunk.
         targets: ``[C]`` int64 label of each row.
     """
     lf = logits if logits.dtype == torch.float64 else logits.float()
-    return torch.logsumexp(lf, dim=-1), lf.gather(1, targets[:, None]).squeeze(1)
+    return torch.logsumexp(lf, dim=-1), lf.gather(1, targets[:, None]).squeeze(1), lf.sum(-1)
 
 
 def softmax_grad_(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
