@@ -100,7 +100,13 @@ def main(argv: list[str] | None = None) -> dict:
         return (torch.cuda.max_memory_allocated() - base) / 2**30
 
     whole = {}
-    for name, frozen, cb in [("trainable", False, None), ("trainable_2GiB", False, 2 << 30), ("frozen", True, None)]:
+    variants = [
+        ("trainable", False, None),
+        ("trainable_2GiB", False, 2 << 30),
+        ("frozen", True, None),
+        ("frozen_1GiB", True, 1 << 30),
+    ]
+    for name, frozen, cb in variants:
         fn = step(frozen, cb)
         whole[name] = {"ms": bench(fn, warmup=5, rep=40), "peak_gib": peak(fn)}
     if args.trace:

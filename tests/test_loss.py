@@ -127,7 +127,8 @@ def test_incoming_gradient_scales_every_gradient():
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_changing_incoming_gradients_are_all_applied(backend):
     """The forward guesses grad_loss from the last backward (ops/grad_scale.py): right, wrong, zero, back to 1."""
-    hidden, weight, bias, labels = make_batch(4, 9, 5, 17, dtype=torch.float32)
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    hidden, weight, bias, labels = make_batch(4, 9, 5, 17, dtype=torch.float32, device=device)
     ref = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
     fused_linear_cpo_loss(ref[0], ref[1], labels, bias=ref[2], backend="torch").loss.backward()
     for scale in (0.25, 0.25, 3.0, 0.0, 0.0, 1.0, 1.0):

@@ -41,6 +41,28 @@ def test_row_kernels_match_torch(dtype, rows, vocab):
     torch.testing.assert_close(got, want, **tol)
 
 
+@pytest.mark.parametrize("rows,seq_len", [(2, 5), (6, 37), (4, 2500)])  # 2500: two blocks of 2048 per row
+def test_plan_kernels_match_torch(rows, seq_len):
+    from trl_fused_cpo.ops import rows_triton
+
+    g = torch.Generator().manual_seed(rows + seq_len)
+    labels = torch.randint(0, 50, (rows, seq_len), generator=g)
+    labels[torch.rand(rows, seq_len, generator=g) < 0.4] = -100
+    labels[1] = -100  # a row with no label
+    labels[0, 0] = 50  # out of range
+    labels = labels.to(DEVICE)
+    counts = rows_triton.label_counts(labels, -100, 50)
+    torch.testing.assert_close(counts.long(), rows_torch.label_counts(labels, -100, 50).long())
+    n = int(counts[0].sum())
+    got = rows_triton.compact_labels(labels, counts[0], n, -100)
+    want = rows_torch.compact_labels(labels, counts[0], n, -100)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    strided = torch.zeros(rows, seq_len + 3, dtype=labels.dtype, device=DEVICE)[:, :seq_len]
+    strided.copy_(labels)  # a view with row stride T + 3
+    assert torch.equal(rows_triton.compact_labels(strided, counts[0], n, -100)[0], want[0])
+
+
 def test_kernels_reject_bad_shapes():
     from trl_fused_cpo.ops import rows_triton
 

@@ -155,6 +155,7 @@ def linear_cpo_forward(
         vocab_size=vocab,
         max_tokens=max_tokens,
         whole_batch_tokens=whole_batch_tokens if need_dw else None,
+        ops=rows,
     )
     max_tokens = plan.max_tokens
     x_all = hidden.reshape(num_rows * seq_len, hidden_size)
@@ -176,7 +177,7 @@ def linear_cpo_forward(
     num_chosen = plan.num_chosen_tokens
     _warn_where_trl_gives_nan(plan.row_counts_host, hp)
     nll_coef = -hp.cpo_alpha / num_chosen if (hp.cpo_alpha != 0 and num_chosen) else 0.0
-    loss = torch.zeros((), device=device, dtype=torch.float64)
+    loss = None  # float64, summed over the groups (a Python accumulator: one launch fewer before the first GEMM)
 
     for group in plan.groups:
         slices = group.slices(max_tokens)
@@ -201,10 +202,11 @@ def linear_cpo_forward(
             plan, token_logp, group.pair_start, group.pair_end, group.tok_start, group.tok_end, hp
         )
         if not any_grad:
-            loss += cpo_pair_losses(chosen_s.double(), rejected_s.double(), hp)[0].sum() / num_pairs
+            group_loss = cpo_pair_losses(chosen_s.double(), rejected_s.double(), hp)[0].sum() / num_pairs
+            loss = group_loss if loss is None else loss + group_loss
             continue
         group_loss, d_chosen, d_rejected = cpo_pair_loss_grads(chosen_s, rejected_s, hp, num_pairs)
-        loss += group_loss
+        loss = group_loss if loss is None else loss + group_loss
         # Per-row coefficient ∂L/∂log p_t: the pair term (divided by the length for mean-type s) + the NLL term.
         row_coef = torch.zeros(num_rows, device=device, dtype=torch.float64)
         row_coef[group.pair_start : group.pair_end] = d_chosen
@@ -239,7 +241,7 @@ def linear_cpo_forward(
         nll = (-(token_logp.double() * chosen_tokens).sum() / num_chosen).to(acc_dtype)
     else:
         nll = torch.zeros((), device=device, dtype=acc_dtype)
-    loss = loss.to(acc_dtype) + hp.cpo_alpha * nll
+    loss = (torch.zeros((), device=device) if loss is None else loss).to(acc_dtype) + hp.cpo_alpha * nll
     grads = _Grads(
         hidden=None if dx is None else dx.view_as(hidden),
         weight=None if dw is None else (dw if dw_written else torch.zeros_like(weight)),

@@ -12,21 +12,23 @@ from __future__ import annotations
 
 import torch
 
-_LAST: dict[torch.device, torch.Tensor] = {}  # per device: the grad_loss of the last backward through the op
+_LAST: dict[torch.device, torch.Tensor] = {}  # per device: the last grad_loss, 1 where it was 0 or not finite
 
 
 def guess(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """0-dim: the last ``grad_loss`` seen on ``device`` (1 before the first, or where it was 0 or not finite)."""
+    """0-dim: the last usable ``grad_loss`` seen on ``device`` (1 before the first). No launch once there is one."""
     last = _LAST.get(device)
-    if last is None:
+    if last is None or last.dtype != dtype:
         return torch.ones((), device=device, dtype=dtype)
-    return torch.where(torch.isfinite(last) & (last != 0), last, torch.ones_like(last)).to(dtype)
+    return last
 
 
 def correction(grad_loss: torch.Tensor, guess_used: torch.Tensor) -> torch.Tensor:
-    """``grad_loss / guess_used``, and remember ``grad_loss`` as the next guess."""
-    _LAST[grad_loss.device] = grad_loss.detach().to(guess_used.dtype).clone()
-    return grad_loss.to(guess_used.dtype) / guess_used
+    """``grad_loss / guess_used``, and remember ``grad_loss`` as the next guess (never mutated: new tensors)."""
+    grad_loss = grad_loss.detach().to(guess_used.dtype)
+    usable = torch.nan_to_num(grad_loss, nan=1.0, posinf=1.0, neginf=1.0)
+    _LAST[grad_loss.device] = usable + (usable == 0)  # a guess of 0 could not be corrected
+    return grad_loss / guess_used
 
 
 def apply(grad: torch.Tensor | None, ratio: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor | None:

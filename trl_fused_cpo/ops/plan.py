@@ -8,8 +8,11 @@ every sequence log-prob it depends on and can finish its loss and gradients with
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
+
+from . import rows_torch
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,7 @@ class TokenPlan:
         token_index: ``[N]`` int64, each labelled token's position in the flattened ``[2B * T]`` batch, pair order.
         token_row: ``[N]`` int64, the row (sequence) each token belongs to.
         targets: ``[N]`` int64, the label of each token.
-        row_counts: ``[2B]`` int64 on the device, labelled tokens per row.
+        row_counts: ``[2B]`` integer, on the device: labelled tokens per row.
         row_counts_host: the same on the host.
         groups: the pair-aligned chunks, in token order.
         max_tokens: the logits buffer's row budget the groups were cut for.
@@ -61,43 +64,41 @@ class TokenPlan:
 
 
 def plan_tokens(
-    labels: torch.Tensor, *, ignore_index: int, vocab_size: int, max_tokens: int, whole_batch_tokens: int | None = None
+    labels: torch.Tensor,
+    *,
+    ignore_index: int,
+    vocab_size: int,
+    max_tokens: int,
+    whole_batch_tokens: int | None = None,
+    ops: ModuleType = rows_torch,
 ) -> TokenPlan:
     """Compact the labelled positions of ``labels`` ``[2B, T]`` into pair-ordered, budgeted chunks.
 
-    ``whole_batch_tokens``: a batch with at most this many labelled tokens is one chunk whatever ``max_tokens``
-    says (the caller's larger budget for a single GEMM, which needs no fp32 weight-gradient accumulator).
-
     One host synchronisation: the per-row counts (and the count of out-of-range labels, checked here so that a
     bad id raises instead of reading past the weight matrix).
+
+    Args:
+        whole_batch_tokens: a batch with at most this many labelled tokens is one chunk whatever ``max_tokens``
+            says (the caller's larger budget for a single GEMM, which needs no fp32 weight-gradient accumulator).
+        ops: ``rows_torch`` or ``rows_triton``, for ``label_counts`` and ``compact_labels``.
     """
-    rows, seq_len = labels.shape
+    rows = labels.shape[0]
     num_pairs = rows // 2
-    mask = labels != ignore_index
-    row_counts = mask.sum(dim=1)
-    bad = (mask & ((labels < 0) | (labels >= vocab_size))).sum()
-    host = torch.cat([row_counts, bad.view(1)]).tolist()  # the one sync
-    row_counts_host, num_bad = host[:-1], host[-1]
+    counts = ops.label_counts(labels, ignore_index, vocab_size)
+    host = counts.tolist()  # the one sync
+    row_counts_host, num_bad = host[0], sum(host[1])
     if num_bad:
+        mask = labels != ignore_index
         bad_ids = labels[mask & ((labels < 0) | (labels >= vocab_size))][:5].tolist()
         raise ValueError(
             f"labels hold {num_bad} id(s) outside [0, {vocab_size}) other than ignore_index={ignore_index}, "
             f"e.g. {bad_ids}. The tokenizer and the lm_head disagree on the vocabulary size."
         )
-
-    device = labels.device
-    pair = torch.arange(num_pairs, device=device)
-    row_order = torch.stack([pair, pair + num_pairs], dim=1).flatten()  # chosen i, rejected i, ...
-    ordered_mask = mask[row_order].flatten()
-    # The labelled positions in order, without the host sync of boolean indexing: N is known from the counts, and
-    # a stable sort puts the True entries first, in order.
     num_tokens = sum(row_counts_host)
     if whole_batch_tokens is not None and num_tokens <= whole_batch_tokens:
         max_tokens = max(max_tokens, num_tokens)
-    flat = torch.sort((~ordered_mask).to(torch.uint8), stable=True).indices[:num_tokens]
-    token_row = row_order[flat // seq_len]
-    token_index = token_row * seq_len + flat % seq_len
-    targets = labels.reshape(-1)[token_index].long()
+    row_counts = counts[0]
+    token_index, token_row, targets = ops.compact_labels(labels, row_counts, num_tokens, ignore_index)
 
     groups: list[ChunkGroup] = []
     start_pair, start_tok, tok = 0, 0, 0

@@ -1,4 +1,5 @@
-"""Torch row passes over one ``[C, V]`` logits chunk: the spec of the Triton kernels and the CPU backend."""
+"""Torch row passes over one ``[C, V]`` logits chunk and the token plan's label ops: the spec of the Triton kernels
+and the CPU backend."""
 
 from __future__ import annotations
 
@@ -29,3 +30,27 @@ def softmax_grad_(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor
     grad = torch.exp(lf - lse[:, None]).mul_(-coef[:, None])
     grad.scatter_add_(1, targets[:, None], coef[:, None].to(grad.dtype))
     return logits.copy_(grad)
+
+
+def label_counts(labels: torch.Tensor, ignore_index: int, vocab_size: int) -> torch.Tensor:
+    """``[2, 2B]``: labelled tokens per row, and labels outside ``[0, vocab_size)`` per row."""
+    labelled = labels != ignore_index
+    bad = labelled & ((labels < 0) | (labels >= vocab_size))
+    return torch.stack([labelled.sum(1), bad.sum(1)])
+
+
+def compact_labels(
+    labels: torch.Tensor, row_counts: torch.Tensor, num_tokens: int, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(token_index, token_row, targets)`` of the labelled positions in pair order: chosen row i, then
+    rejected row B + i, each in position order. ``token_index`` indexes the flattened ``[2B * T]`` batch."""
+    rows, seq_len = labels.shape
+    num_pairs = rows // 2
+    pair = torch.arange(num_pairs, device=labels.device)
+    row_order = torch.stack([pair, pair + num_pairs], dim=1).flatten()
+    ordered = (labels != ignore_index)[row_order].flatten()
+    # The True entries in order without boolean indexing's host sync: N is known, a stable sort puts them first.
+    flat = torch.sort((~ordered).to(torch.uint8), stable=True).indices[:num_tokens]
+    token_row = row_order[flat // seq_len]
+    token_index = token_row * seq_len + flat % seq_len
+    return token_index, token_row, labels.reshape(-1)[token_index].long()
