@@ -166,16 +166,12 @@ def linear_cpo_forward(
     token_sum = torch.empty(plan.num_tokens, device=device, dtype=acc_dtype)  # each labelled row's logit sum
     unlabelled_sum = None
     guess = grad_scale.guess(device, acc_dtype) if any_grad else None
-    dx = torch.zeros_like(x_all) if need_dx else None
     # One GEMM over every token (a single chunk) rounds dW once, as torch does: write it in the weight dtype.
     # Several chunks accumulate in fp32, and the backward casts and scales in one pass (backward_scale_kernels).
     single_gemm = len(plan.groups) == 1 and len(plan.groups[0].slices(max_tokens)) == 1
-    dw_dtype = weight.dtype if single_gemm else acc_dtype
-    dw = torch.empty(weight.shape, device=device, dtype=dw_dtype) if need_dw else None
+    dx = dw = db = None  # allocated once the first GEMM is queued: until then the GPU waits on the host
     dw_written = False
-    db = torch.zeros(vocab, device=device, dtype=acc_dtype) if need_db else None
     num_chosen = plan.num_chosen_tokens
-    _warn_where_trl_gives_nan(plan.row_counts_host, hp)
     nll_coef = -hp.cpo_alpha / num_chosen if (hp.cpo_alpha != 0 and num_chosen) else 0.0
     loss = None  # float64, summed over the groups (a Python accumulator: one launch fewer before the first GEMM)
 
@@ -214,6 +210,12 @@ def linear_cpo_forward(
         row_coef /= divisor.to(row_coef.dtype)
         row_coef[:num_pairs] += nll_coef
         row_coef = row_coef.to(acc_dtype) * guess
+        if dx is None and need_dx:
+            dx = torch.zeros_like(x_all)
+        if dw is None and need_dw:
+            dw = torch.empty(weight.shape, device=device, dtype=weight.dtype if single_gemm else acc_dtype)
+        if db is None and need_db:
+            db = torch.zeros(vocab, device=device, dtype=acc_dtype)
         for (s, e), lse in zip(slices, lses, strict=True):
             idx = plan.token_index[s:e]
             if kept is not None:
@@ -231,6 +233,7 @@ def linear_cpo_forward(
                 db += dlogits.sum(0, dtype=acc_dtype)
             del x, dlogits
 
+    _warn_where_trl_gives_nan(plan.row_counts_host, hp)
     if unlabelled_sum is None:  # no labelled token at all: no chunk GEMM carried the extra rows
         unlabelled_sum = _logits(unlabelled_hidden, weight.detach(), bias).sum(-1, dtype=acc_dtype)
     row_means = _row_logit_means(plan, token_sum, unlabelled_sum, bias, seq_len, vocab)
