@@ -649,26 +649,30 @@ def write_plots(results: dict, out: Path) -> list[str]:
     models = list(results["args"]["models"])
     colors = {"stock": "tab:blue", "fused": "tab:orange"}
 
-    # loss curves: the --curve-steps runs when present, else the benchmark runs, per micro-batch
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
-    for ax, model in zip(axes[0], models, strict=False):
-        curves = [r for r in results.get("curves", []) if r["model"] == model and r["ok"]]
-        source = curves or [r for r in runs if r["model"] == model and r["tag"] == "bench"]
-        mbs = sorted({r["micro_batch"] for r in source})
-        for j, mb in enumerate(mbs):
-            for r in (r for r in source if r["micro_batch"] == mb):
-                steps = list(range(1, len(r["losses"]) + 1))
-                style = dict(ls="-", marker="o", ms=4) if r["trainer"] == "stock" else dict(ls="--", marker="x", ms=7)
-                ax.plot(steps, r["losses"], color=plt.cm.tab10(j), label=f"{r['trainer']} mb={mb}", **style)
-        ax.set_title(f"{model}: loss per step" + (" (curve runs)" if curves else ""))
-        ax.set_xlabel("step")
-        ax.set_ylabel("CPO loss")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "loss_curves.png", dpi=120)
-    plt.close(fig)
-    written.append("loss_curves.png")
+    # loss curves: the --curve-steps runs when present, else the benchmark runs, per micro-batch (none: no plot)
+    has_losses = any(r["ok"] for r in results.get("curves", [])) or any(r["tag"] == "bench" for r in runs)
+    if has_losses:
+        fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+        for ax, model in zip(axes[0], models, strict=False):
+            curves = [r for r in results.get("curves", []) if r["model"] == model and r["ok"]]
+            source = curves or [r for r in runs if r["model"] == model and r["tag"] == "bench"]
+            mbs = sorted({r["micro_batch"] for r in source})
+            for j, mb in enumerate(mbs):
+                for r in (r for r in source if r["micro_batch"] == mb):
+                    steps = list(range(1, len(r["losses"]) + 1))
+                    style = (
+                        dict(ls="-", marker="o", ms=4) if r["trainer"] == "stock" else dict(ls="--", marker="x", ms=7)
+                    )
+                    ax.plot(steps, r["losses"], color=plt.cm.tab10(j), label=f"{r['trainer']} mb={mb}", **style)
+            ax.set_title(f"{model}: loss per step" + (" (curve runs)" if curves else ""))
+            ax.set_xlabel("step")
+            ax.set_ylabel("CPO loss")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "loss_curves.png", dpi=120)
+        plt.close(fig)
+        written.append("loss_curves.png")
 
     def bars(metric: str, ylabel: str, fname: str):
         fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)

@@ -2,9 +2,9 @@
 # One device call: install the carried wheels, then the steps asked for; results under $OUT (at most 8 files).
 #   (on the GPU machine) bash scripts/gpu_run.sh [step...]
 #   steps: tests (GPU-capable tests), profile (stage timings), wrappers (FSDP2 / ZeRO-3 / LoRA / QLoRA checks),
-#          kernel (scripts/benchmark_kernel.py), e2e (scripts/benchmark_e2e.py), followup (what the first session
-#          could not run: ZeRO-3 untied re-check, the 1B recipe via the launcher, 3B LoRA e2e), maxbatch
-#          (largest micro-batch per trainer, 1B); default: tests profile
+#          kernel (scripts/benchmark_kernel.py, every peer), kernel-long (fused and floor only, 1.5 s per entry: the
+#          steadier ratios), e2e (scripts/benchmark_e2e.py, 1B/3B/8B + 20-step loss curves), recipe (the 1B recipe
+#          through accelerate launch), maxbatch (largest micro-batch per trainer, 1B); default: tests profile
 set -uo pipefail
 bash .whl/gpu-wheels install .whl >/dev/null && export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1 TRL_EXPERIMENTAL_SILENCE=1
@@ -26,20 +26,20 @@ for what in "${steps[@]}"; do
       run_check lora python3 scripts/check_wrappers.py --check lora
       run_check qlora python3 scripts/check_wrappers.py --check qlora ;;
     profile) python3 scripts/profile_fused_op.py --json "$OUT/profile.json" | tail -60 ;;
-    kernel) timeout 300 python3 scripts/benchmark_kernel.py --out "$OUT/kernel" 2>&1 | tail -100 ;;
-    e2e) timeout 560 python3 scripts/benchmark_e2e.py --model llama3.2-1b,llama3-8b --micro-batches 2,4,8 --out "$OUT/e2e" 2>&1 | tail -60 ;;
-    followup)  # what this session could not run: ZeRO-3 untied re-check, the 1B recipe via the launcher, 3B LoRA
-      for t in "" "--tie"; do
-        timeout 120 accelerate launch --config_file configs/deepspeed_zero3.yaml --num_processes 1 --mixed_precision no \
-          scripts/check_wrappers.py --check parity $t 2>&1 | grep -E "^CHECK|Error" | tail -3 | tee -a "$OUT/followup.txt"
-      done
-      python3 scripts/make_random_checkpoint.py --model llama3.2-1b --out /tmp/llama3.2-1b | tee -a "$OUT/followup.txt"
+    kernel) timeout 330 python3 scripts/benchmark_kernel.py --out "$OUT/kernel" 2>&1 | tail -100 ;;
+    kernel-long) timeout 240 python3 scripts/benchmark_kernel.py --impls fused --no-accuracy --warmup 200 --rep 1500 \
+                   --out "$OUT/kernel_long" 2>&1 | grep -E "^(fused|floor) " ;;
+    e2e) timeout 560 python3 scripts/benchmark_e2e.py --model llama3.2-1b,llama3.2-3b,llama3-8b --micro-batches 2,4,8 \
+           --steps 6 --curve-steps 20 --out "$OUT/e2e" 2>&1 | tail -30 ;;
+    recipe)  # the Llama-3.2-1B recipe through the launcher, on a random-init checkpoint with the real shapes
+      python3 scripts/make_random_checkpoint.py --model llama3.2-1b --out /tmp/llama3.2-1b | tee -a "$OUT/recipe_1b.txt"
       timeout 240 accelerate launch --config_file configs/single_gpu.yaml scripts/train_cpo.py \
         --config recipes/llama3_2/1B_full_cpo_single_device.yaml --model_name_or_path /tmp/llama3.2-1b \
         --dataset_name /tmp/llama3.2-1b/preferences.jsonl --max_steps 5 --logging_steps 1 --eval_strategy no \
-        --save_strategy no --output_dir /tmp/run1b 2>&1 | grep -E "'loss'|train_runtime|Error" | tee -a "$OUT/followup.txt"
-      timeout 300 python3 scripts/benchmark_e2e.py --model llama3.2-3b --micro-batches 2,4,8 --out "$OUT/e2e_3b" 2>&1 | tail -15 ;;
-    maxbatch) timeout 560 python3 scripts/benchmark_e2e.py --model llama3.2-1b --micro-batches "" --find-max-batch --out "$OUT/e2e_max" 2>&1 | tail -20 ;;
+        --save_strategy no --output_dir /tmp/run1b 2>&1 | grep -vE "Map|Generating|it/s]|s/it]" | tail -25 \
+        | tee -a "$OUT/recipe_1b.txt" ;;
+    maxbatch) timeout 560 python3 scripts/benchmark_e2e.py --model llama3.2-1b --micro-batches "" --find-max-batch \
+                --max-batch-start 8 --max-batch-cap 192 --max-batch-tol 0.25 --out "$OUT/e2e_max" 2>&1 | tail -20 ;;
     *) echo "unknown step $what" ;;
   esac
 done

@@ -1,4 +1,4 @@
-"""Running the fused loss inside the wrapped model's forward, and reading lm_head under ZeRO-3 and FSDP2.
+"""Running the fused loss inside the wrapped model's forward, and as lm_head's own forward under ZeRO-3 and FSDP2.
 
 DDP's gradient hooks, FSDP's all-gathers and ZeRO-3's parameter fetches fire around the *wrapper's* forward.
 Calling the backbone from outside it skips them (DESIGN.md §3), so the trainer patches the causal LM's own
@@ -25,22 +25,30 @@ _HEAD_ONLY_KWARGS = ("labels", "logits_to_keep", "num_items_in_batch", "return_d
 
 
 def call_through_head(head: nn.Module, fn: Callable[..., object], hidden: torch.Tensor):
-    """``fn(hidden, weight, bias)`` run as ``head``'s own forward when ``head`` is ZeRO-3 partitioned, else directly.
+    """``fn(hidden, weight, bias)``, run as ``head``'s own forward when a sharding wrapper manages ``head``.
 
-    ZeRO-3 fetches a module's parameters in its pre-forward hook and, through hooks on the forward's outputs, again
-    in the backward, where the gradient accumulates into them. A direct read of ``lm_head.weight`` gets neither:
-    the weight is numel 0 when its gradient arrives ("size of tensor a (0) must match", seen on an H200 with an
-    untied head). Running the fused loss as the head's forward arms both; the outputs travel as a tuple, which
-    ZeRO-3's hooks walk.
+    ZeRO-3 and FSDP2 gather a module's parameters in its pre-forward hook and reduce their gradients in hooks the
+    forward arms; a direct read of ``lm_head.weight`` gets neither. Seen, not guessed: under ZeRO-3 the weight is
+    numel 0 when its gradient arrives ("size of tensor a (0) must match", an H200 with an untied head); under
+    FSDP2 with ``lm_head`` in its own unit a direct read sees the sharded DTensor, and ``full_tensor()`` hands
+    each rank its own unreduced gradient (2 ranks on CPU: 96% off, ``tests/test_fsdp2_ranks.py``). Running the
+    fused loss as the head's forward arms both wrappers exactly as the stock ``lm_head(hidden)`` call does; the
+    outputs travel as a tuple, which the wrappers' hooks walk.
     """
-    if not hasattr(head.weight, "ds_id"):
-        return fn(hidden, *full_head_params(head))
+    if not _sharded(head):
+        return fn(hidden, head.weight, getattr(head, "bias", None))
     from dataclasses import fields
 
     result_type = []
 
     def fused_head_forward(h: torch.Tensor):
-        out = fn(h, head.weight, getattr(head, "bias", None))
+        weight = head.weight
+        if isinstance(weight, DTensor):  # still sharded inside the forward: not FSDP2 (tensor parallel?)
+            raise NotImplementedError(
+                f"lm_head.weight is a DTensor ({weight.placements}) inside lm_head's forward: the fused loss "
+                "supports FSDP2 and ZeRO-3 sharding, not tensor parallelism. Set use_fused_loss=False."
+            )
+        out = fn(h, weight, getattr(head, "bias", None))
         result_type.append(type(out))
         return tuple(getattr(out, f.name) for f in fields(out))
 
@@ -57,17 +65,15 @@ def call_through_head(head: nn.Module, fn: Callable[..., object], hidden: torch.
     return result_type[0](*values)
 
 
-def full_head_params(head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The head's full ``(weight, bias)`` for a direct read.
-
-    FSDP2 holds parameters as DTensors when the head is outside the module being run: ``full_tensor()`` gathers
-    them, and its backward reduce-scatters the gradient. (ZeRO-3 heads never get here: ``call_through_head``.)
-    """
-    weight, bias = head.weight, getattr(head, "bias", None)
-    if isinstance(weight, DTensor):
-        weight = weight.full_tensor()
-        bias = bias.full_tensor() if isinstance(bias, DTensor) else bias
-    return weight, bias
+def _sharded(head: nn.Module) -> bool:
+    """Whether ZeRO-3 (``ds_id`` on the weight) or FSDP2 (an ``FSDPModule``, or a DTensor weight) manages ``head``."""
+    if hasattr(head.weight, "ds_id") or isinstance(head.weight, DTensor):
+        return True
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(head, FSDPModule)
 
 
 def install_fused_forward(causal_lm: nn.Module, loss_fn: Callable[..., object]) -> None:

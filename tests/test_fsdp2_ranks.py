@@ -1,0 +1,100 @@
+"""FSDP2 with 2 ranks on CPU (gloo): the fused loss's gradients equal a 1-process run over the global batch.
+
+One process cannot catch a missing cross-rank reduction: there, reduce-scatter is a copy. With `lm_head` in its
+own FSDP unit a direct read of its weight sees the sharded DTensor, and `full_tensor()` gives each rank its own
+unreduced gradient (96% off before `call_through_head` routed FSDP2 heads through their own forward).
+Groupings: accelerate's (`final norm + lm_head` as one unit, `embed + norm + lm_head` when tied) and `lm_head` alone.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from trl_fused_cpo.distributed import call_through_head, install_fused_forward
+from trl_fused_cpo.loss import fused_linear_cpo_loss
+from trl_fused_cpo.toy import toy_model
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+
+WORLD = 2
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(3, 40, (8, 12), generator=g)  # 4 pairs: chosen rows 0-3, rejected rows 4-7
+    labels = input_ids.clone()
+    labels[:, :4] = -100
+    labels[1, 9:] = -100  # ragged completions
+    return input_ids, labels
+
+
+def _loss(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The trainer's route: the patched causal-LM forward, the head through `call_through_head`."""
+
+    def loss_fn(hidden, head, fused_labels):
+        # cpo_alpha = 0: a sigmoid loss is a mean over pairs, so the rank-mean equals the global mean
+        fused = lambda h, w, b: fused_linear_cpo_loss(h, w, fused_labels, bias=b, cpo_alpha=0.0, backend="torch")
+        return call_through_head(head, fused, hidden)
+
+    install_fused_forward(model, loss_fn)
+    return model(input_ids=input_ids, fused_cpo_labels=labels).loss
+
+
+def _rank_rows(rank: int, num_pairs: int) -> list[int]:
+    pairs = list(range(rank * num_pairs // WORLD, (rank + 1) * num_pairs // WORLD))
+    return pairs + [num_pairs + i for i in pairs]
+
+
+def _worker(rank: int, port: int, grouping: str, tie: bool, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (WORLD,))
+        model = toy_model(seed=0, tie_word_embeddings=tie)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        if grouping == "accelerate":  # accelerate.utils.fsdp_utils.fsdp2_prepare_model's units
+            embed, norm, head = model.model.embed_tokens, model.model.norm, model.lm_head
+            if not tie:
+                fully_shard(embed, mesh=mesh)
+            fully_shard([norm, embed, head] if tie else [norm, head], mesh=mesh, reshard_after_forward=False)
+        else:
+            fully_shard(model.lm_head, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        input_ids, labels = _batch()
+        rows = _rank_rows(rank, input_ids.shape[0] // 2)
+        _loss(model, input_ids[rows], labels[rows]).backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+        if rank == 0:
+            torch.save(grads, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize(("grouping", "tie"), [("accelerate", False), ("accelerate", True), ("head-alone", False)])
+def test_fsdp2_two_ranks_match_one_process(tmp_path, grouping, tie):
+    model = toy_model(seed=0, tie_word_embeddings=tie)
+    _loss(model, *_batch()).backward()
+    want = {n: p.grad for n, p in model.named_parameters()}
+
+    out = str(tmp_path / "grads.pt")
+    mp.spawn(_worker, args=(_free_port(), grouping, tie, out), nprocs=WORLD, join=True)
+    got = torch.load(out)
+    assert got.keys() == want.keys(), f"parameters without a gradient: {sorted(want.keys() - got.keys())}"
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-6, msg=f"{grouping}, tie={tie}: {name}")
