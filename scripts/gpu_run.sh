@@ -4,7 +4,8 @@
 #   steps: tests (GPU-capable tests), profile (stage timings), wrappers (FSDP2 / ZeRO-3 / LoRA / QLoRA checks),
 #          kernel (scripts/benchmark_kernel.py, every peer), kernel-long (fused and floor only, 1.5 s per entry: the
 #          steadier ratios), e2e (scripts/benchmark_e2e.py, 1B/3B/8B + 20-step loss curves), recipe (the 1B recipe
-#          through accelerate launch), maxbatch (largest micro-batch per trainer, 1B); default: tests profile
+#          through accelerate launch), maxbatch / maxbatch-8b (largest micro-batch per trainer, 1B / 8B LoRA); default:
+#          tests profile
 set -uo pipefail
 bash .whl/gpu-wheels install .whl >/dev/null && export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1 TRL_EXPERIMENTAL_SILENCE=1
@@ -40,6 +41,8 @@ for what in "${steps[@]}"; do
         | tee -a "$OUT/recipe_1b.txt" ;;
     maxbatch) timeout 560 python3 scripts/benchmark_e2e.py --model llama3.2-1b --micro-batches "" --find-max-batch \
                 --max-batch-start 8 --max-batch-cap 192 --max-batch-tol 0.25 --out "$OUT/e2e_max" 2>&1 | tail -20 ;;
+    maxbatch-8b) timeout 560 python3 scripts/benchmark_e2e.py --model llama3-8b --micro-batches "" --find-max-batch \
+                   --max-batch-start 8 --max-batch-cap 128 --max-batch-tol 0.25 --out "$OUT/e2e_max_8b" 2>&1 | tail -20 ;;
     *) echo "unknown step $what" ;;
   esac
 done
