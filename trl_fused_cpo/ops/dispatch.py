@@ -42,7 +42,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def row_ops(backend: str) -> ModuleType:
-    """The row-pass implementation for a resolved backend: a module with logsumexp_target and softmax_grad_."""
+    """The row passes and plan ops of a resolved backend: ``rows_torch`` or ``rows_triton`` (the same functions)."""
     if backend == "torch":
         return rows_torch
     from . import rows_triton

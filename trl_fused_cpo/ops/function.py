@@ -135,7 +135,8 @@ def linear_cpo_forward(
     """Loss, sequence log-probs, NLL and (where ``need_grads``) the gradients of hidden, weight and bias.
 
     Args:
-        rows: the row-pass backend, a module with ``logsumexp_target`` and ``softmax_grad_``.
+        rows: ``rows_torch`` or ``rows_triton``: the row passes (``logsumexp_target``, ``softmax_grad_``) and the
+            plan's label ops (``label_counts``, ``compact_labels``).
         need_grads: whether hidden, weight, bias need a gradient.
 
     Returns:
