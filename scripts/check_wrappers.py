@@ -27,7 +27,7 @@ from transformers import LlamaForCausalLM, TrainerCallback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from trl_fused_cpo import FusedCPOConfig, FusedCPOTrainer  # noqa: E402
-from trl_fused_cpo.ops import function as fused_function  # noqa: E402
+from trl_fused_cpo.ops import gemm  # noqa: E402
 from trl_fused_cpo.toy import load_toy_preferences, toy_config, toy_tokenizer  # noqa: E402
 
 
@@ -130,15 +130,15 @@ def check_lora(args) -> dict:
     from peft import LoraConfig
 
     calls = []
-    original = fused_function._accumulate_mm
-    fused_function._accumulate_mm = lambda *a, **k: (calls.append(1), original(*a, **k))
+    original = gemm.accumulate_mm
+    gemm.accumulate_mm = lambda *a, **k: (calls.append(1), original(*a, **k))
     lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0)
     cuda = torch.cuda.is_available()
     model = small_llama(args.tie, torch.bfloat16 if cuda else torch.float32)
     trainer = make_trainer(model, args.tmp, backend=args.backend, steps=3, lr=1e-3, peft_config=lora, bf16=cuda)
     trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
     trainer.train()
-    fused_function._accumulate_mm = original
+    gemm.accumulate_mm = original
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     only_adapters = bool(trainable) and all("lora_" in n for n in trainable)
     return dict(

@@ -17,7 +17,7 @@ import triton
 
 from trl_fused_cpo import fused_linear_cpo_loss
 from trl_fused_cpo.ops import rows_triton
-from trl_fused_cpo.ops.function import _accumulate_mm
+from trl_fused_cpo.ops.gemm import accumulate_mm
 
 
 def bench(fn, warmup=25, rep=200) -> float:
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
         "logsumexp_kernel": bench(lambda: rows_triton.logsumexp_target(logits, targets)),
         "softmax_grad_kernel": bench(lambda: rows_triton.softmax_grad_(logits, lse, targets, coef)),
         "dx_gemm": bench(lambda: torch.mm(logits, weight)),
-        "dw_gemm_fp32_acc": bench(lambda: _accumulate_mm(acc, logits.t(), x)),
+        "dw_gemm_fp32_acc": bench(lambda: accumulate_mm(acc, logits.t(), x)),
         "dw_gemm_bf16": bench(lambda: torch.mm(logits.t(), x)),
         "index_select": bench(lambda: hidden.reshape(-1, h).index_select(0, torch.arange(c, device=dev))),
     }

@@ -13,6 +13,7 @@ from trl.experimental.cpo import CPOTrainer
 from trl_fused_cpo import fused_linear_cpo_loss
 from trl_fused_cpo.loss import CPOHyperparams
 from trl_fused_cpo.ops import function as fused_function
+from trl_fused_cpo.ops import gemm
 from trl_fused_cpo.ops.reference import reference_linear_cpo_loss
 
 OPTIONS = [
@@ -153,10 +154,8 @@ def test_whole_batch_budget_makes_one_gemm_only_for_a_trainable_low_precision_he
     assert len(fused_function.plan_tokens(labels, **plan_args, whole_batch_tokens=n - 1).groups) > 1
 
     firsts = []
-    real = fused_function._accumulate_mm
-    monkeypatch.setattr(
-        fused_function, "_accumulate_mm", lambda *a, first: (firsts.append(first), real(*a, first=first))
-    )
+    real = gemm.accumulate_mm
+    monkeypatch.setattr(gemm, "accumulate_mm", lambda *a, first: (firsts.append(first), real(*a, first=first)))
     leaves = [t.clone().requires_grad_(True) for t in (hidden, weight)]
     loss = fused_function.LinearCPOFunction.apply(
         *leaves, None, labels, CPOHyperparams(), -100, (3, n), rows_torch, True
@@ -167,7 +166,7 @@ def test_whole_batch_budget_makes_one_gemm_only_for_a_trainable_low_precision_he
 
 def test_frozen_weight_gets_no_gradient_and_no_weight_gemm(monkeypatch):
     calls = []
-    monkeypatch.setattr(fused_function, "_accumulate_mm", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(gemm, "accumulate_mm", lambda *a, **k: calls.append(1))
     hidden, weight, _, labels = make_batch(4, 9, 5, 17)
     hidden.requires_grad_(True)
     out = fused_linear_cpo_loss(hidden, weight, labels, backend="torch")
