@@ -158,7 +158,7 @@ def test_whole_batch_budget_makes_one_gemm_only_for_a_trainable_low_precision_he
     monkeypatch.setattr(gemm, "accumulate_mm", lambda *a, first: (firsts.append(first), real(*a, first=first)))
     leaves = [t.clone().requires_grad_(True) for t in (hidden, weight)]
     loss = fused_function.LinearCPOFunction.apply(
-        *leaves, None, labels, CPOHyperparams(), -100, (3, n), rows_torch, True
+        *leaves, None, labels, CPOHyperparams(), -100, fused_function.Chunks(3, n), rows_torch, True
     )
     loss[0].backward()
     assert firsts == [True]  # one dW GEMM, written directly

@@ -85,6 +85,13 @@ def test_fused_config_and_plain_config_agree(tmp_path):
     assert_same(plain, fused_cfg)
 
 
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_lean_memory_matches_stock(tmp_path, tie):
+    stock = loss_metrics_grads(make_trainer(CPOTrainer, tmp_path, tie=tie))
+    lean = make_trainer(FusedCPOTrainer, tmp_path, tie=tie, config_cls=FusedCPOConfig, fused_memory="lean")
+    assert_same(stock, loss_metrics_grads(lean))
+
+
 def test_gradient_accumulation_matches_stock(tmp_path):
     """Two micro-batches of 2 accumulated: TRL averages per micro-batch (its NLL is a per-micro-batch mean)."""
 

@@ -30,6 +30,15 @@ class FusedCPOConfig(CPOConfig):
             "head, 512 MiB frozen). Lower = less memory; far lower = slower GEMMs."
         },
     )
+    fused_memory: str = field(
+        default="fast",
+        metadata={
+            "help": "'fast' (three products per token; an fp32 weight-gradient accumulator once a batch needs several "
+            "chunks: 2 GiB at Llama-3 8B) or 'lean' (vocabulary slabs, logits computed twice, no accumulator: "
+            "about 4/3 of the products, for a trainable head). A frozen head always runs 'fast'.",
+            "choices": ["fast", "lean"],
+        },
+    )
 
 
 def fused_options(args) -> dict:
@@ -38,4 +47,5 @@ def fused_options(args) -> dict:
         "use_fused_loss": getattr(args, "use_fused_loss", True),
         "backend": getattr(args, "fused_backend", "auto"),
         "chunk_bytes": getattr(args, "fused_chunk_bytes", None),
+        "memory": getattr(args, "fused_memory", "fast"),
     }

@@ -182,6 +182,7 @@ def fused_linear_cpo_loss(
     ignore_index: int = -100,
     backend: Backend = "auto",
     chunk_bytes: int | None = None,
+    memory: Literal["fast", "lean"] = "fast",
 ) -> CPOLossOutput:
     """CPO loss straight from the final hidden states and the ``lm_head`` weight; the logits never exist whole.
 
@@ -196,7 +197,12 @@ def fused_linear_cpo_loss(
         backend: ``"triton"`` (fused kernels, CUDA), ``"torch"`` (chunked torch ops, any device) or ``"auto"``.
         chunk_bytes: budget for the one ``[tokens, V]`` logits buffer that exists at a time (default: 1 GiB with
             a trainable weight or under ``torch.no_grad()``, 512 MiB with a frozen one). Smaller saves memory; much
-            smaller costs speed. A pair longer than the budget has its logits computed twice.
+            smaller costs speed. A pair longer than the budget has its logits computed twice. With
+            ``memory="lean"``: the logits of one vocabulary slab over all tokens (default 256 MiB).
+        memory: ``"fast"`` (three products per token; past one chunk, an fp32 accumulator for the weight
+            gradient: 2 GiB at Llama-3 8B) or ``"lean"`` (vocabulary slabs, the logits computed twice, no
+            accumulator: about 4/3 of the products for less memory with a trainable head; a frozen head always
+            runs ``"fast"``, which needs no accumulator).
 
     Returns:
         A :class:`CPOLossOutput`. Gradients of ``loss`` reach ``hidden``, ``weight`` and ``bias`` where they
@@ -216,5 +222,13 @@ def fused_linear_cpo_loss(
     if hp.loss_type in ("hinge", "ipo") and hp.label_smoothing > 0:
         warnings.warn(f"label_smoothing is ignored by loss_type={hp.loss_type!r} (as in TRL).", stacklevel=2)
     return linear_cpo(
-        hidden, weight, labels, bias, hp, ignore_index=ignore_index, backend=backend, chunk_bytes=chunk_bytes
+        hidden,
+        weight,
+        labels,
+        bias,
+        hp,
+        ignore_index=ignore_index,
+        backend=backend,
+        chunk_bytes=chunk_bytes,
+        memory=memory,
     )

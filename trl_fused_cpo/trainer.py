@@ -80,6 +80,7 @@ class FusedCPOTrainer(CPOTrainer):
         options = fused_options(self.args)
         self._fused_backend = options["backend"]
         self._fused_chunk_bytes = options["chunk_bytes"]
+        self._fused_memory = options["memory"]
         self.use_fused_loss = options["use_fused_loss"]
         if not self.use_fused_loss:
             logger.info("FusedCPOTrainer: use_fused_loss=False, running TRL's stock CPO loss.")
@@ -129,6 +130,7 @@ class FusedCPOTrainer(CPOTrainer):
                 alpha=self.alpha,
                 backend=self._fused_backend,
                 chunk_bytes=self._fused_chunk_bytes,
+                memory=self._fused_memory,
             )
 
     def get_batch_loss_metrics(

@@ -24,7 +24,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
 
 
-def errors(dtype, shape, opts, *, bias=False, frozen=False, chunk_bytes=None, seed=0):
+def errors(dtype, shape, opts, *, bias=False, frozen=False, chunk_bytes=None, memory="fast", seed=0):
     rows, seq_len, h, v = shape
     hidden, weight, b, labels = make_batch(rows, seq_len, h, v, dtype=torch.float64, device="cuda", seed=seed)
     hp = CPOHyperparams.create(**opts)
@@ -53,7 +53,14 @@ def errors(dtype, shape, opts, *, bias=False, frozen=False, chunk_bytes=None, se
     )
     fused, g_fused = run(
         lambda lv: fused_linear_cpo_loss(
-            lv["hidden"], lv["weight"], labels, bias=bias_of(lv), backend="triton", chunk_bytes=chunk_bytes, **opts
+            lv["hidden"],
+            lv["weight"],
+            labels,
+            bias=bias_of(lv),
+            backend="triton",
+            chunk_bytes=chunk_bytes,
+            memory=memory,
+            **opts,
         ),
         dtype,
     )
@@ -101,6 +108,14 @@ def test_bias_and_frozen(bias, frozen):
 def test_chunking(chunk_tokens):
     # 16 tokens is shorter than a pair: multi-slice groups with recomputed logits.
     assert_no_worse(errors(torch.bfloat16, (6, 90, 64, 2049), dict(), chunk_bytes=chunk_tokens * 2049 * 2, seed=3))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_lean_memory_no_worse_than_torch(dtype, bias):
+    # 4 MB slabs of a 32k vocabulary over ~1k rows: 16 slabs, the last one partial.
+    errs = errors(dtype, (4, 300, 256, 32_003), dict(), bias=bias, chunk_bytes=4 << 20, memory="lean", seed=4)
+    assert_no_worse(errs)
 
 
 def test_h_of_llama3_family_and_long_rows():

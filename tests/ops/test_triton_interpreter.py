@@ -75,7 +75,8 @@ def test_kernels_reject_bad_shapes():
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "simpo"])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_triton_backend_matches_torch_backend(loss_type, with_bias):
+@pytest.mark.parametrize("memory", ["fast", "lean"])  # lean: 3 vocabulary slabs of V = 300
+def test_triton_backend_matches_torch_backend(loss_type, with_bias, memory):
     hidden, weight, bias, labels = make_batch(4, 19, 8, 300, dtype=torch.float32, device=DEVICE, seed=7)
     bias = bias if with_bias else None
     results = []
@@ -89,6 +90,7 @@ def test_triton_backend_matches_torch_backend(loss_type, with_bias):
             loss_type=loss_type,
             backend=backend,
             chunk_bytes=30 * 300 * 4,
+            memory=memory,
         )
         results.append((out, torch.autograd.grad(out.loss, leaves)))
     (a, ga), (b, gb) = results

@@ -9,11 +9,13 @@ import torch
 
 from ..loss import CPOHyperparams, CPOLossOutput, cpo_pair_losses
 from . import rows_torch
-from .function import LinearCPOFunction
+from .function import Chunks, LinearCPOFunction, Slabs
 
 DEFAULT_CHUNK_BYTES_TRAINABLE = 1 << 30  # with the fp32 dW accumulator (2 GiB at Llama-3 8B) this keeps B=16 < 4 GiB
 DEFAULT_CHUNK_BYTES_FROZEN = 1 << 29  # a whole T=1024 pair (2 x 1023 tokens x 128,256 x 2 B) is 0.49 GiB
 DEFAULT_CHUNK_BYTES_NO_GRAD = 1 << 30  # eval keeps no gradients: larger GEMMs, fewer launches
+DEFAULT_SLAB_BYTES = 1 << 28  # memory="lean": 256 MiB of logits per vocabulary slab (8,192 columns at 16k tokens)
+MEMORY_MODES = ("fast", "lean")
 
 
 def _triton_available() -> bool:
@@ -78,6 +80,20 @@ def whole_batch_tokens(vocab: int, hidden_size: int, dtype: torch.dtype, max_tok
     return max_tokens + spare // (vocab * itemsize)
 
 
+def choose_schedule(weight: torch.Tensor, chunk_bytes: int | None, memory: str, *, grad: bool) -> Chunks | Slabs:
+    """``Chunks`` (the default) or ``Slabs`` (``memory="lean"``, unless the head is frozen: nothing to save there)."""
+    if memory not in MEMORY_MODES:
+        raise ValueError(f"memory={memory!r} is not one of {MEMORY_MODES}.")
+    trainable = weight.requires_grad and grad
+    if memory == "lean" and (trainable or not grad):
+        if chunk_bytes is not None and chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be positive; got {chunk_bytes}.")
+        return Slabs(DEFAULT_SLAB_BYTES if chunk_bytes is None else chunk_bytes)
+    vocab, hidden_size = weight.shape
+    max_tokens = max_chunk_tokens(vocab, weight.dtype, chunk_bytes, grad=grad, weight_trainable=weight.requires_grad)
+    return Chunks(max_tokens, whole_batch_tokens(vocab, hidden_size, weight.dtype, max_tokens))
+
+
 def linear_cpo(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -88,14 +104,13 @@ def linear_cpo(
     ignore_index: int,
     backend: str,
     chunk_bytes: int | None,
+    memory: str = "fast",
 ) -> CPOLossOutput:
     resolved = resolve_backend(backend, hidden.device)
     grad_on = torch.is_grad_enabled()
-    vocab, hidden_size = weight.shape
-    max_tokens = max_chunk_tokens(vocab, weight.dtype, chunk_bytes, grad=grad_on, weight_trainable=weight.requires_grad)
-    chunk_tokens = (max_tokens, whole_batch_tokens(vocab, hidden_size, weight.dtype, max_tokens))
+    schedule = choose_schedule(weight, chunk_bytes, memory, grad=grad_on)
     loss, chosen_logps, rejected_logps, nll, row_means = LinearCPOFunction.apply(
-        hidden, weight, bias, labels, hp, ignore_index, chunk_tokens, row_ops(resolved), grad_on
+        hidden, weight, bias, labels, hp, ignore_index, schedule, row_ops(resolved), grad_on
     )
     # float64: AlphaPO's exp(-alpha * s) overflows float32 at alpha * |s| > 88
     _, chosen_rewards, rejected_rewards = cpo_pair_losses(chosen_logps.double(), rejected_logps.double(), hp)

@@ -13,6 +13,7 @@ sum of unlabelled hidden states, whose logits sum to that row's unlabelled logit
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -154,27 +155,48 @@ def linear_cpo_forward(
     return loss, chosen_logps, rejected_logps, nll, row_means, grads, guess
 
 
+@dataclass(frozen=True)
+class Chunks:
+    """The default schedule: pair-aligned token chunks of at most ``max_tokens`` (``whole_batch_tokens``: one GEMM)."""
+
+    max_tokens: int
+    whole_batch_tokens: int | None
+
+
+@dataclass(frozen=True)
+class Slabs:
+    """The memory-lean schedule (``lean.py``): every token, vocabulary slabs of at most ``slab_bytes`` of logits."""
+
+    slab_bytes: int
+
+
 class LinearCPOFunction(torch.autograd.Function):
     """Autograd wrapper: gradients are computed in the forward; the backward corrects their scale."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, hp, ignore_index, chunk_tokens, rows, grad_enabled):
+    def forward(ctx, hidden, weight, bias, labels, hp, ignore_index, schedule, rows, grad_enabled):
         # needs_input_grad follows requires_grad even under torch.no_grad(); eval must do forward work only.
         needs = [grad_enabled and n for n in ctx.needs_input_grad[:3]]
         need = (needs[0], needs[1], bias is not None and needs[2])
-        max_tokens, whole_batch_tokens = chunk_tokens
-        loss, chosen_logps, rejected_logps, nll, row_means, grads, guess = linear_cpo_forward(
-            hidden,
-            weight,
-            bias,
-            labels,
-            hp,
-            ignore_index=ignore_index,
-            max_tokens=max_tokens,
-            whole_batch_tokens=whole_batch_tokens,
-            rows=rows,
-            need_grads=need,
-        )
+        common = dict(ignore_index=ignore_index, rows=rows, need_grads=need)
+        if isinstance(schedule, Slabs):
+            from .lean import linear_cpo_forward_lean
+
+            outputs = linear_cpo_forward_lean(
+                hidden, weight, bias, labels, hp, slab_bytes=schedule.slab_bytes, **common
+            )
+        else:
+            outputs = linear_cpo_forward(
+                hidden,
+                weight,
+                bias,
+                labels,
+                hp,
+                max_tokens=schedule.max_tokens,
+                whole_batch_tokens=schedule.whole_batch_tokens,
+                **common,
+            )
+        loss, chosen_logps, rejected_logps, nll, row_means, grads, guess = outputs
         # Kept on ctx, not save_for_backward: they are outputs of this op, corrected in place in the backward.
         ctx.grads = grads
         ctx.guess = guess
@@ -190,7 +212,7 @@ class LinearCPOFunction(torch.autograd.Function):
         ctx.grads = None  # frees the stored gradients as they are handed over
         ratio = grad_scale.correction(grad_loss, ctx.guess)
         dtypes = ctx.dtypes
-        # None for labels, hp, ignore_index, chunk_tokens, rows, grad_enabled: not differentiable.
+        # None for labels, hp, ignore_index, schedule, rows, grad_enabled: not differentiable.
         return (
             grad_scale.apply(grads.hidden, ratio, dtypes[0]),
             grad_scale.apply(grads.weight, ratio, dtypes[1]),

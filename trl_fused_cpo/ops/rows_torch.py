@@ -21,14 +21,16 @@ def softmax_grad_(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor
     """Overwrite ``logits`` with ``dlogits = coef · (onehot(target) − softmax)``, i.e. ``coef · ∂log p_target/∂z``.
 
     Args:
-        logits: ``[C, V]``, overwritten in place.
-        lse: ``[C]`` float32 log-sum-exp of each row.
-        targets: ``[C]`` int64.
+        logits: ``[C, V]``, overwritten in place (``V`` may be one vocabulary slab of the full row).
+        lse: ``[C]`` float32 log-sum-exp of each full row.
+        targets: ``[C]`` int64; a target outside ``[0, V)`` (in another slab) matches no column.
         coef: ``[C]`` float32 (float64 for float64 logits), ``∂L/∂log p`` of each row's token.
     """
     lf = logits if logits.dtype == torch.float64 else logits.float()
     grad = torch.exp(lf - lse[:, None]).mul_(-coef[:, None])
-    grad.scatter_add_(1, targets[:, None], coef[:, None].to(grad.dtype))
+    here = (targets >= 0) & (targets < logits.shape[1])
+    onehot = (coef * here).to(grad.dtype)[:, None]
+    grad.scatter_add_(1, targets.clamp(0, logits.shape[1] - 1)[:, None], onehot)
     return logits.copy_(grad)
 
 

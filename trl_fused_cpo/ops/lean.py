@@ -1,0 +1,125 @@
+"""The memory-lean schedule: the vocabulary in slabs, logits computed twice, no fp32 weight-gradient accumulator.
+
+The default schedule (``function.py``) keeps each chunk's logits for its gradients (6NVH) but, once a batch needs
+several chunks, sums dW over them in an fp32 accumulator: 2 GiB at Llama-3 8B, 4 GiB at 70B. Here every GEMM
+takes all labelled tokens and one slab of the vocabulary. Pass 1 computes each slab's logits for the log-sum-exp.
+Pass 2 recomputes them for the gradients, and each slab's rows of dW come from one GEMM over all tokens, written
+in the weight dtype at once (one rounding, as torch). dX sums over the slabs in fp32 (``[N, H]``: 0.25 GiB at
+16k tokens of H = 4096). Cost: 8NVH, about 4/3 of the default's products. A frozen head has no accumulator to
+save, so ``dispatch.py`` keeps the default schedule for it.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from ..loss import CPOHyperparams, cpo_pair_loss_grads, cpo_pair_losses
+from . import gemm, grad_scale
+from .plan import plan_tokens
+from .sequence import (
+    Grads,
+    finish,
+    row_coefficients,
+    row_logit_means,
+    sequence_logps,
+    unlabelled_hidden_sums,
+    warn_where_trl_gives_nan,
+)
+
+SLAB_ALIGN = 128  # vocabulary columns per slab: a multiple of the GEMM tile
+
+
+def slab_bounds(vocab: int, rows: int, itemsize: int, slab_bytes: int) -> list[tuple[int, int]]:
+    """Vocabulary slabs ``[start, end)`` whose ``[rows, end - start]`` logits fit ``slab_bytes``."""
+    width = max(SLAB_ALIGN, slab_bytes // max(1, rows * itemsize) // SLAB_ALIGN * SLAB_ALIGN)
+    return [(s, min(s + width, vocab)) for s in range(0, vocab, width)]
+
+
+def linear_cpo_forward_lean(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    hp: CPOHyperparams,
+    *,
+    ignore_index: int,
+    slab_bytes: int,
+    rows: ModuleType,
+    need_grads: tuple[bool, bool, bool],
+):
+    """``function.linear_cpo_forward``'s contract (same arguments but the budget, same returns), in slabs."""
+    num_rows, seq_len, hidden_size = hidden.shape
+    num_pairs = num_rows // 2
+    vocab = weight.shape[0]
+    device = hidden.device
+    need_dx, need_dw, need_db = need_grads
+    any_grad = need_dx or need_dw or need_db
+    acc_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    unlabelled_hidden = unlabelled_hidden_sums(hidden.detach(), labels, ignore_index)
+    plan = plan_tokens(labels, ignore_index=ignore_index, vocab_size=vocab, max_tokens=num_rows * seq_len, ops=rows)
+    n = plan.num_tokens
+    x_all = hidden.reshape(num_rows * seq_len, hidden_size)
+    # The labelled tokens, then the 2B unlabelled-sum rows (their logits sum to the unlabelled logits: metrics).
+    x = torch.cat([x_all.index_select(0, plan.token_index), unlabelled_hidden])
+    slabs = slab_bounds(vocab, x.shape[0], weight.element_size(), slab_bytes)
+
+    def slab_logits(rows_of_x: torch.Tensor, s: int, e: int) -> torch.Tensor:
+        return gemm.logits(rows_of_x, weight[s:e], None if bias is None else bias[s:e])
+
+    # Pass 1: log-sum-exp over the slabs, the target logit from the slab that holds it, the row sums.
+    lse = target_logit = None
+    token_sum = torch.zeros(n, device=device, dtype=acc_dtype)
+    unlabelled_sum = torch.zeros(num_rows, device=device, dtype=acc_dtype)
+    for s, e in slabs:
+        logits = slab_logits(x, s, e)
+        local = plan.targets - s
+        in_slab = (local >= 0) & (local < e - s)
+        slab_lse, slab_target, slab_sum = rows.logsumexp_target(logits[:n], local.clamp(0, e - s - 1))
+        lse = slab_lse if lse is None else torch.logaddexp(lse, slab_lse)
+        target_logit = torch.where(in_slab, slab_target, 0.0 if target_logit is None else target_logit)
+        token_sum += slab_sum
+        unlabelled_sum += logits[n:].sum(-1, dtype=acc_dtype)
+        del logits
+    token_logp = (target_logit - lse).to(acc_dtype)
+    row_means = row_logit_means(plan, token_sum, unlabelled_sum, bias, seq_len, vocab)
+    chosen_s, rejected_s, divisor = sequence_logps(plan, token_logp, 0, num_pairs, 0, n, hp)
+    warn_where_trl_gives_nan(plan.row_counts_host, hp)
+
+    grads, guess = Grads(None, None, None), None
+    if not any_grad:
+        pair_loss = cpo_pair_losses(chosen_s.double(), rejected_s.double(), hp)[0].sum() / num_pairs
+    else:
+        guess = grad_scale.guess(device, acc_dtype)
+        pair_loss, d_chosen, d_rejected = cpo_pair_loss_grads(chosen_s, rejected_s, hp, num_pairs)
+        row_coef = row_coefficients(plan, (0, num_pairs), d_chosen, d_rejected, divisor, hp, acc_dtype, guess)
+        grads = _slab_gradients(
+            x[:n], weight, plan, slabs, slab_logits, lse, row_coef[plan.token_row], rows, need_grads
+        )
+        if grads.hidden is not None:
+            dx = torch.zeros_like(x_all)
+            dx.index_copy_(0, plan.token_index, grads.hidden.to(hidden.dtype))
+            grads.hidden = dx.view_as(hidden)
+    loss, chosen_logps, rejected_logps, nll = finish(plan, hp, token_logp, pair_loss, acc_dtype)
+    return loss, chosen_logps, rejected_logps, nll, row_means, grads, guess
+
+
+def _slab_gradients(x, weight, plan, slabs, slab_logits, lse, coef, rows, need_grads) -> Grads:
+    """Pass 2: per slab, recompute the logits, turn them into dlogits, and take their share of dX, dW and db."""
+    need_dx, need_dw, need_db = need_grads
+    acc_dtype = coef.dtype
+    dx = torch.empty(x.shape, device=x.device, dtype=acc_dtype) if need_dx else None  # fp32: summed over slabs
+    dw = torch.empty_like(weight) if need_dw else None  # each slab's rows written once, in the weight dtype
+    db = torch.empty(weight.shape[0], device=x.device, dtype=acc_dtype) if need_db else None
+    for j, (s, e) in enumerate(slabs):
+        dlogits = slab_logits(x, s, e)
+        rows.softmax_grad_(dlogits, lse, plan.targets - s, coef)  # a target outside the slab matches no column
+        if need_dx:
+            gemm.accumulate_mm(dx, dlogits, weight[s:e], first=j == 0)
+        if need_dw:
+            gemm.accumulate_mm(dw[s:e], dlogits.t(), x, first=True)
+        if need_db:
+            db[s:e] = dlogits.sum(0, dtype=acc_dtype)
+        del dlogits
+    return Grads(hidden=dx, weight=dw, bias=db)
