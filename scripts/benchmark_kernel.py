@@ -3,7 +3,7 @@
 Implementations (each one function ``(hidden, weight, labels, spec) -> loss``, all in ``IMPLS``):
 
 - ``fused``: ``trl_fused_cpo.fused_linear_cpo_loss(..., backend="triton")`` (``fused-torch``: ``backend="torch"``,
-  with ``--fused-torch``; on a CPU it replaces ``fused``).
+  with ``--fused-torch``; on a CPU it replaces ``fused``; ``fused-lean``: ``memory="lean"``, with ``--impls``).
 - ``torch``: what TRL's CPOTrainer does: materialised logits in the inputs' dtype, an fp32 log-softmax, gather,
   per-sequence sums, the CPO sigmoid loss and the NLL from ``CrossEntropyLoss`` over the chosen half's logits.
 - ``liger``: ``liger_kernel.chunked_loss.LigerFusedLinearCPOLoss`` (torch.compile, one pair per chunk).
@@ -149,7 +149,7 @@ def cpo_loss_from_token_logps(
     return losses.mean() + spec.cpo_alpha * nll
 
 
-def _fused(backend: str, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, spec: LossSpec):
+def _fused(backend: str, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, spec: LossSpec, **kw):
     return trl_fused_cpo.fused_linear_cpo_loss(
         hidden,
         weight,
@@ -159,6 +159,7 @@ def _fused(backend: str, hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         ignore_index=spec.ignore_index,
         backend=backend,
         chunk_bytes=spec.chunk_bytes,
+        **kw,
     ).loss
 
 
@@ -170,6 +171,11 @@ def run_fused(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, 
 def run_fused_torch(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, spec: LossSpec) -> torch.Tensor:
     """Ours, the same chunk plan with torch row passes (any device)."""
     return _fused("torch", hidden, weight, labels, spec)
+
+
+def run_fused_lean(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, spec: LossSpec) -> torch.Tensor:
+    """Ours, ``memory="lean"``: vocabulary slabs, logits twice, no fp32 dW accumulator (a frozen head: as fused)."""
+    return _fused("triton", hidden, weight, labels, spec, memory="lean")
 
 
 def run_torch(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, spec: LossSpec) -> torch.Tensor:
@@ -270,6 +276,7 @@ class Impl:
 IMPLS: dict[str, Impl] = {
     "fused": Impl(run_fused, "triton", needs_cuda=True),
     "fused-torch": Impl(run_fused_torch, None, needs_cuda=False),
+    "fused-lean": Impl(run_fused_lean, "triton", needs_cuda=True),
     "torch": Impl(run_torch, None, needs_cuda=False),
     "liger": Impl(run_liger, "liger_kernel.chunked_loss", needs_cuda=False),
     "trl-chunked": Impl(run_trl_chunked, "trl.kernels", needs_cuda=False),

@@ -2,10 +2,10 @@
 # One device call: install the carried wheels, then the steps asked for; results under $OUT (at most 8 files).
 #   (on the GPU machine) bash scripts/gpu_run.sh [step...]
 #   steps: tests (GPU-capable tests), profile (stage timings), wrappers (FSDP2 / ZeRO-3 / LoRA / QLoRA checks),
-#          kernel (scripts/benchmark_kernel.py, every peer), kernel-long (fused and floor only, 1.5 s per entry: the
-#          steadier ratios), e2e (scripts/benchmark_e2e.py, 1B/3B/8B + 20-step loss curves), recipe (the 1B recipe
-#          through accelerate launch), maxbatch / maxbatch-8b (largest micro-batch per trainer, 1B / 8B LoRA); default:
-#          tests profile
+#          kernel (scripts/benchmark_kernel.py, every peer), kernel-long (fused, fused-lean and floor only, 1.5 s per
+#          entry: the steadier ratios), e2e (scripts/benchmark_e2e.py, 1B/3B/8B + 20-step loss curves), recipe (the
+#          1B recipe through accelerate launch), maxbatch / maxbatch-8b (largest micro-batch per trainer, 1B / 8B
+#          LoRA); default: tests profile
 set -uo pipefail
 bash .whl/gpu-wheels install .whl >/dev/null && export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1 TRL_EXPERIMENTAL_SILENCE=1
@@ -15,7 +15,7 @@ OUT=${OUT:-outputs/gpu}; mkdir -p "$OUT"
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests profile)
 for what in "${steps[@]}"; do
   case $what in
-    tests) python3 -m pytest -q tests/gpu tests/ops tests/test_loss.py tests/test_edge_cases.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt" ;;
+    tests) python3 -m pytest -q tests/gpu tests/ops tests/test_loss.py tests/test_lean.py tests/test_edge_cases.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt" ;;
     wrappers)
       run_check() { local name=$1; shift; timeout 240 "$@" 2>&1 | grep -E "^CHECK|Error|error" | tail -4 | sed "s/^/[$name] /" | tee -a "$OUT/wrappers.txt"; }
       run_check none python3 scripts/check_wrappers.py --check parity
@@ -28,7 +28,7 @@ for what in "${steps[@]}"; do
       run_check qlora python3 scripts/check_wrappers.py --check qlora ;;
     profile) python3 scripts/profile_fused_op.py --json "$OUT/profile.json" | tail -60 ;;
     kernel) timeout 330 python3 scripts/benchmark_kernel.py --out "$OUT/kernel" 2>&1 | tail -100 ;;
-    kernel-long) timeout 240 python3 scripts/benchmark_kernel.py --impls fused --no-accuracy --warmup 200 --rep 1500 \
+    kernel-long) timeout 300 python3 scripts/benchmark_kernel.py --impls fused,fused-lean --no-accuracy --warmup 200 --rep 1500 \
                    --out "$OUT/kernel_long" 2>&1 | grep -E "^(fused|floor) " ;;
     e2e) timeout 560 python3 scripts/benchmark_e2e.py --model llama3.2-1b,llama3.2-3b,llama3-8b --micro-batches 2,4,8 \
            --steps 6 --curve-steps 20 --out "$OUT/e2e" 2>&1 | tail -30 ;;
