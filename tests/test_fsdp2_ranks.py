@@ -34,12 +34,14 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return input_ids, labels
 
 
-def _loss(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def _loss(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, memory: str = "fast") -> torch.Tensor:
     """The trainer's route: the patched causal-LM forward, the head through `call_through_head`."""
 
     def loss_fn(hidden, head, fused_labels):
         # cpo_alpha = 0: a sigmoid loss is a mean over pairs, so the rank-mean equals the global mean
-        fused = lambda h, w, b: fused_linear_cpo_loss(h, w, fused_labels, bias=b, cpo_alpha=0.0, backend="torch")
+        fused = lambda h, w, b: fused_linear_cpo_loss(
+            h, w, fused_labels, bias=b, cpo_alpha=0.0, backend="torch", memory=memory
+        )
         return call_through_head(head, fused, hidden)
 
     install_fused_forward(model, loss_fn)
@@ -51,7 +53,7 @@ def _rank_rows(rank: int, num_pairs: int) -> list[int]:
     return pairs + [num_pairs + i for i in pairs]
 
 
-def _worker(rank: int, port: int, grouping: str, tie: bool, out: str) -> None:
+def _worker(rank: int, port: int, grouping: str, tie: bool, memory: str, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
@@ -72,7 +74,7 @@ def _worker(rank: int, port: int, grouping: str, tie: bool, out: str) -> None:
         fully_shard(model, mesh=mesh)
         input_ids, labels = _batch()
         rows = _rank_rows(rank, input_ids.shape[0] // 2)
-        _loss(model, input_ids[rows], labels[rows]).backward()
+        _loss(model, input_ids[rows], labels[rows], memory).backward()
         grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
         if rank == 0:
             torch.save(grads, out)
@@ -86,15 +88,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize(("grouping", "tie"), [("accelerate", False), ("accelerate", True), ("head-alone", False)])
-def test_fsdp2_two_ranks_match_one_process(tmp_path, grouping, tie):
+@pytest.mark.parametrize(
+    ("grouping", "tie", "memory"),
+    [
+        ("accelerate", False, "fast"),
+        ("accelerate", True, "fast"),
+        ("head-alone", False, "fast"),
+        ("accelerate", False, "lean"),
+    ],
+)
+def test_fsdp2_two_ranks_match_one_process(tmp_path, grouping, tie, memory):
     model = toy_model(seed=0, tie_word_embeddings=tie)
-    _loss(model, *_batch()).backward()
+    _loss(model, *_batch(), memory).backward()
     want = {n: p.grad for n, p in model.named_parameters()}
 
     out = str(tmp_path / "grads.pt")
-    mp.spawn(_worker, args=(_free_port(), grouping, tie, out), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(_free_port(), grouping, tie, memory, out), nprocs=WORLD, join=True)
     got = torch.load(out)
     assert got.keys() == want.keys(), f"parameters without a gradient: {sorted(want.keys() - got.keys())}"
     for name, grad in want.items():
-        torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-6, msg=f"{grouping}, tie={tie}: {name}")
+        torch.testing.assert_close(
+            got[name], grad, rtol=1e-4, atol=1e-6, msg=f"{grouping}, tie={tie}, {memory}: {name}"
+        )
