@@ -27,7 +27,8 @@ for what in "${steps[@]}"; do
       run_check lora python3 scripts/check_wrappers.py --check lora
       run_check qlora python3 scripts/check_wrappers.py --check qlora ;;
     profile) python3 scripts/profile_fused_op.py --json "$OUT/profile.json" | tail -60 ;;
-    kernel) timeout 330 python3 scripts/benchmark_kernel.py --out "$OUT/kernel" 2>&1 | tail -100 ;;
+    kernel) timeout 330 python3 scripts/benchmark_kernel.py --impls fused,fused-lean,torch,liger,trl-chunked,cce \
+              --out "$OUT/kernel" 2>&1 | tail -100 ;;
     kernel-long) timeout 300 python3 scripts/benchmark_kernel.py --impls fused,fused-lean --no-accuracy --warmup 200 --rep 1500 \
                    --out "$OUT/kernel_long" 2>&1 | grep -E "^(fused|floor) " ;;
     e2e) timeout 560 python3 scripts/benchmark_e2e.py --model llama3.2-1b,llama3.2-3b,llama3-8b --micro-batches 2,4,8 \
@@ -42,7 +43,8 @@ for what in "${steps[@]}"; do
     maxbatch) timeout 560 python3 scripts/benchmark_e2e.py --model llama3.2-1b --micro-batches "" --find-max-batch \
                 --max-batch-start 8 --max-batch-cap 192 --max-batch-tol 0.25 --out "$OUT/e2e_max" 2>&1 | tail -20 ;;
     maxbatch-8b) timeout 560 python3 scripts/benchmark_e2e.py --model llama3-8b --micro-batches "" --find-max-batch \
-                   --max-batch-start 8 --max-batch-cap 128 --max-batch-tol 0.25 --out "$OUT/e2e_max_8b" 2>&1 | tail -20 ;;
+                   --max-batch-start 24 --max-batch-cap 96 --max-batch-tol 0.25 --steps 3 --warmup 1 \
+                   --out "$OUT/e2e_max_8b" 2>&1 | grep -vE "it/s]|s/it]" | tail -24 ;;
     *) echo "unknown step $what" ;;
   esac
 done

@@ -78,6 +78,7 @@ def _worker(rank: int, port: int, grouping: str, tie: bool, memory: str, out: st
         grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
         if rank == 0:
             torch.save(grads, out)
+        dist.barrier()  # no rank tears gloo down while the other still talks to it (an abort at exit otherwise)
     finally:
         dist.destroy_process_group()
 

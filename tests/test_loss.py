@@ -175,6 +175,28 @@ def test_frozen_weight_gets_no_gradient_and_no_weight_gemm(monkeypatch):
     assert calls == []
 
 
+@pytest.mark.parametrize("opts", [OPTIONS[0], OPTIONS[5], OPTIONS[9]], ids=["sigmoid", "simpo", "ipo-alpha"])
+def test_frozen_head_splits_pairs_without_recomputing(monkeypatch, opts):
+    """A budget shorter than a pair: a frozen head scales each slice's product afterwards, one logits GEMM per token."""
+    rows, seq_len, h, v = 6, 23, 7, 41
+    hidden, weight, _, labels = make_batch(rows, seq_len, h, v, dtype=torch.float64, seed=9)
+    leaf = hidden.clone().requires_grad_(True)
+    logits_rows = []
+    real = gemm.logits
+    monkeypatch.setattr(gemm, "logits", lambda x, *a: (logits_rows.append(x.shape[0]), real(x, *a))[1])
+    out = fused_linear_cpo_loss(leaf, weight, labels, backend="torch", chunk_bytes=5 * v * 8, **opts)
+    (grad,) = torch.autograd.grad(out.loss * 0.7, [leaf])  # an incoming gradient other than the guess
+    assert max(logits_rows) <= 5 + rows  # slices of 5 tokens (the first also carries the 2B unlabelled-sum rows)
+    assert sum(logits_rows) == int((labels != -100).sum()) + rows  # each labelled token once: no recompute
+    ref_leaf = hidden.clone().requires_grad_(True)
+    ref = reference_linear_cpo_loss(
+        ref_leaf, weight, labels, CPOHyperparams.create(**opts), compute_dtype=torch.float64
+    )
+    (ref_grad,) = torch.autograd.grad(ref.loss * 0.7, [ref_leaf])
+    torch.testing.assert_close(out.loss, ref.loss)
+    torch.testing.assert_close(grad, ref_grad)
+
+
 def test_no_grad_forward_does_no_gradient_work(monkeypatch):
     calls = []
     from trl_fused_cpo.ops import rows_torch

@@ -104,10 +104,12 @@ def test_bias_and_frozen(bias, frozen):
     assert_no_worse(errors(torch.bfloat16, (4, 77, 64, 3001), dict(), bias=bias, frozen=frozen, seed=2))
 
 
+@pytest.mark.parametrize("frozen", [False, True])
 @pytest.mark.parametrize("chunk_tokens", [16, 100, 10_000])
-def test_chunking(chunk_tokens):
-    # 16 tokens is shorter than a pair: multi-slice groups with recomputed logits.
-    assert_no_worse(errors(torch.bfloat16, (6, 90, 64, 2049), dict(), chunk_bytes=chunk_tokens * 2049 * 2, seed=3))
+def test_chunking(chunk_tokens, frozen):
+    # 16 tokens is shorter than a pair: multi-slice groups (recomputed logits; frozen: products scaled afterwards).
+    errs = errors(torch.bfloat16, (6, 90, 64, 2049), dict(), frozen=frozen, chunk_bytes=chunk_tokens * 2049 * 2, seed=3)
+    assert_no_worse(errs)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -91,6 +91,13 @@ def linear_cpo_forward(
     for group in plan.groups:
         slices = group.slices(max_tokens)
         kept = None  # the group's logits, kept for the gradient pass when the group is one slice
+        # A frozen head's pair longer than the budget: dX = coef · (onehot − softmax)·W and the coefficient is one
+        # scalar per row, so each slice's unscaled product goes to fp32 at once and is scaled when the pair's
+        # log-probs are known: the logits are computed once, whatever the budget. (dW and db sum over rows: they
+        # need the coefficient first, and recompute instead.)
+        deferred = None
+        if len(slices) > 1 and need_dx and not (need_dw or need_db):
+            deferred = torch.empty(group.tok_end - group.tok_start, hidden_size, device=device, dtype=acc_dtype)
         lses = []
         for s, e in slices:
             x = x_all.index_select(0, plan.token_index[s:e])
@@ -104,7 +111,10 @@ def linear_cpo_forward(
             lse, target_logit, token_sum[s:e] = rows.logsumexp_target(logits, plan.targets[s:e])
             token_logp[s:e] = target_logit - lse
             lses.append(lse)
-            if len(slices) == 1 and any_grad:
+            if deferred is not None:
+                rows.softmax_grad_(logits, lse, plan.targets[s:e], torch.ones_like(lse))
+                gemm.mm_into(deferred[s - group.tok_start : e - group.tok_start], logits, weight)
+            elif len(slices) == 1 and any_grad:
                 kept = (x, logits)
             del logits
         chosen_s, rejected_s, divisor = sequence_logps(
@@ -125,11 +135,15 @@ def linear_cpo_forward(
             dw = torch.empty(weight.shape, device=device, dtype=weight.dtype if single_gemm else acc_dtype)
         if db is None and need_db:
             db = torch.zeros(vocab, device=device, dtype=acc_dtype)
+        if deferred is not None:
+            span = slice(group.tok_start, group.tok_end)
+            dx.index_copy_(0, plan.token_index[span], deferred.mul_(row_coef[plan.token_row[span], None]).to(dx.dtype))
+            continue
         for (s, e), lse in zip(slices, lses, strict=True):
             idx = plan.token_index[s:e]
             if kept is not None:
                 x, dlogits = kept
-            else:  # a pair longer than the budget: recompute this slice's logits
+            else:  # a pair longer than the budget, with dW or db: recompute this slice's logits
                 x = x_all.index_select(0, idx)
                 dlogits = gemm.logits(x, weight, bias)
             rows.softmax_grad_(dlogits, lse, plan.targets[s:e], row_coef[plan.token_row[s:e]])

@@ -1,4 +1,4 @@
-"""The two GEMM forms both schedules use (``function.py``, ``lean.py``): logits, and an fp32-accumulating product."""
+"""The GEMM forms both schedules use (``function.py``, ``lean.py``): logits, and products into fp32."""
 
 from __future__ import annotations
 
@@ -20,19 +20,31 @@ def accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, first:
     itself (``out_dtype``), so no bf16 ``[V, H]`` temporary exists; ``first`` skips zeroing and reading the 2 GiB
     accumulator (0.6 ms at Llama-3 8B).
     """
+    if first:
+        mm_into(acc, a, b)
+    elif a.dtype == acc.dtype:  # fp32 inputs
+        acc.addmm_(a, b)
+    elif not _fp32_out(lambda: torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc), a):
+        acc.add_(torch.mm(a, b).float() if a.is_cuda else torch.mm(a.float(), b.float()))
+
+
+def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out = a @ b``, rounded once into ``out``'s dtype (float32 ``out`` from bf16/fp16 ``a``, ``b`` included)."""
+    if a.dtype == out.dtype:
+        torch.mm(a, b, out=out)
+    elif not _fp32_out(lambda: torch.mm(a, b, out_dtype=torch.float32, out=out), a):
+        out.copy_(torch.mm(a, b) if a.is_cuda else torch.mm(a.float(), b.float()))
+
+
+def _fp32_out(product, a: torch.Tensor) -> bool:
+    """Run ``product`` (a cuBLAS call with ``out_dtype=float32``) where this torch has it; whether it ran."""
     global _FP32_OUT_MM
-    if a.dtype == acc.dtype:  # same dtype: fp32 inputs, or a single GEMM written in the input dtype
-        torch.mm(a, b, out=acc) if first else acc.addmm_(a, b)
-        return
-    if a.is_cuda and _FP32_OUT_MM is not False:
-        try:
-            if first:
-                torch.mm(a, b, out_dtype=torch.float32, out=acc)
-            else:
-                torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-            _FP32_OUT_MM = True
-            return
-        except (RuntimeError, TypeError):
-            _FP32_OUT_MM = False
-    product = torch.mm(a, b).float() if a.is_cuda else torch.mm(a.float(), b.float())
-    acc.copy_(product) if first else acc.add_(product)
+    if not a.is_cuda or _FP32_OUT_MM is False:
+        return False
+    try:
+        product()
+    except (RuntimeError, TypeError):
+        _FP32_OUT_MM = False
+        return False
+    _FP32_OUT_MM = True
+    return True

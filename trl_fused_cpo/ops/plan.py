@@ -20,7 +20,8 @@ class ChunkGroup:
     """Pairs ``[pair_start, pair_end)`` whose tokens are ``[tok_start, tok_end)`` of the plan.
 
     A group is one logits buffer when its tokens fit the budget; a single pair longer than the budget is a group
-    of several slices, whose logits are computed twice (once for the log-probs, once for the gradients).
+    of several slices (``function.py``: a frozen head scales their products afterwards, a trainable one computes
+    their logits twice, once for the log-probs and once for the gradients).
     """
 
     pair_start: int
