@@ -7,7 +7,9 @@
 #          1B recipe through accelerate launch), maxbatch / maxbatch-8b (largest micro-batch per trainer, 1B / 8B
 #          LoRA); default: tests profile
 set -uo pipefail
-bash .whl/gpu-wheels install .whl >/dev/null && export PYTHONPATH=/tmp/site:$PWD
+bash .whl/gpu-wheels install .whl >/dev/null \
+  || { echo "gpu_run: the wheels did not install (carry .whl with ../shared/tools/gpu-wheels copied into it)"; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1 TRL_EXPERIMENTAL_SILENCE=1
 OUT=${OUT:-outputs/gpu}; mkdir -p "$OUT"
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
@@ -29,6 +31,12 @@ for what in "${steps[@]}"; do
     profile) python3 scripts/profile_fused_op.py --json "$OUT/profile.json" | tail -60 ;;
     kernel) timeout 330 python3 scripts/benchmark_kernel.py --impls fused,fused-lean,torch,liger,trl-chunked,cce \
               --out "$OUT/kernel" 2>&1 | tail -100 ;;
+    frozen-budgets)  # the frozen head's logits budget: 256, 384, 512 MiB, fused and floor only
+      for mib in 256 384 512; do
+        timeout 100 python3 scripts/benchmark_kernel.py --impls fused --workloads frozen,frozen-masked --no-accuracy \
+          --no-plots --warmup 100 --rep 600 --chunk-bytes $((mib << 20)) --out "$OUT/frozen_$mib" 2>&1 \
+          | grep -E "^(fused|floor) " | sed "s/^/[$mib MiB] /"
+      done ;;
     kernel-long) timeout 300 python3 scripts/benchmark_kernel.py --impls fused,fused-lean --no-accuracy --warmup 200 --rep 1500 \
                    --out "$OUT/kernel_long" 2>&1 | grep -E "^(fused|floor) " ;;
     e2e) timeout 560 python3 scripts/benchmark_e2e.py --model llama3.2-1b,llama3.2-3b,llama3-8b --micro-batches 2,4,8 \
