@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call: install the carried wheels, then the steps asked for; results under $OUT (at most 8 files).
+# One device call: install the carried wheels, then the steps asked for; results under $OUT (only 8 files come back:
+# for several steps, point OUT at a scratch folder and tar it into the real $OUT).
 #   (on the GPU machine) bash scripts/gpu_run.sh [step...]
 #   steps: tests (GPU-capable tests), profile (stage timings), wrappers (FSDP2 / ZeRO-3 / LoRA / QLoRA checks),
 #          kernel (scripts/benchmark_kernel.py, every peer), kernel-long (fused, fused-lean and floor only, 1.5 s per
@@ -51,7 +52,7 @@ for what in "${steps[@]}"; do
     maxbatch) timeout 560 python3 scripts/benchmark_e2e.py --model llama3.2-1b --micro-batches "" --find-max-batch \
                 --max-batch-start 8 --max-batch-cap 192 --max-batch-tol 0.25 --out "$OUT/e2e_max" 2>&1 | tail -20 ;;
     maxbatch-8b) timeout 560 python3 scripts/benchmark_e2e.py --model llama3-8b --micro-batches "" --find-max-batch \
-                   --max-batch-start 24 --max-batch-cap 96 --max-batch-tol 0.25 --steps 3 --warmup 1 \
+                   --max-batch-start 24 --max-batch-cap 96 --max-batch-tol 0.25 --steps 2 --warmup 1 \
                    --out "$OUT/e2e_max_8b" 2>&1 | grep -vE "it/s]|s/it]" | tail -24 ;;
     *) echo "unknown step $what" ;;
   esac
