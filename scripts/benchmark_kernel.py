@@ -603,12 +603,15 @@ def package_versions() -> dict[str, str | None]:
             versions[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             versions[dist] = None
-    try:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        rev = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-        versions["git"] = rev.stdout.strip() or None
-    except OSError:
-        versions["git"] = None
+    # A copied checkout (the GPU machine's) may carry a stale .git: the caller can name the commit instead.
+    versions["git"] = os.environ.get("TRL_FUSED_CPO_COMMIT") or None
+    if versions["git"] is None:
+        try:
+            root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            rev = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+            versions["git"] = rev.stdout.strip() or None
+        except OSError:
+            pass
     return versions
 
 

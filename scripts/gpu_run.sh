@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, then the steps asked for; results under $OUT (only 8 files come back:
-# for several steps, point OUT at a scratch folder and tar it into the real $OUT).
+# for several steps, point OUT at a scratch folder and tar it into the real $OUT). The machine's copy of .git can be
+# stale: put TRL_FUSED_CPO_COMMIT=<the commit> in front of the command so the kernel JSON names the code measured.
 #   (on the GPU machine) bash scripts/gpu_run.sh [step...]
 #   steps: tests (GPU-capable tests), profile (stage timings), wrappers (FSDP2 / ZeRO-3 / LoRA / QLoRA checks),
 #          kernel (scripts/benchmark_kernel.py, every peer), kernel-long (fused, fused-lean and floor only, 1.5 s per
