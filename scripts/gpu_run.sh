@@ -5,9 +5,9 @@
 #   (on the GPU machine) bash scripts/gpu_run.sh [step...]
 #   steps: tests (GPU-capable tests), profile (stage timings), wrappers (FSDP2 / ZeRO-3 / LoRA / QLoRA checks),
 #          kernel (scripts/benchmark_kernel.py, every peer), kernel-long (fused, fused-lean and floor only, 1.5 s per
-#          entry: the steadier ratios), frozen-budgets (the frozen head at 256 / 384 / 512 MiB), e2e (scripts/benchmark_e2e.py, 1B/3B/8B + 20-step loss curves), recipe (the
-#          1B recipe through accelerate launch), maxbatch / maxbatch-8b (largest micro-batch per trainer, 1B / 8B
-#          LoRA); default: tests profile
+#          entry: the steadier ratios), frozen-budgets (the frozen head at 256 / 384 / 512 MiB), e2e
+#          (scripts/benchmark_e2e.py, 1B/3B/8B + 20-step loss curves), recipe (the 1B recipe through accelerate
+#          launch), maxbatch / maxbatch-8b (largest micro-batch per trainer, 1B / 8B LoRA); default: tests profile
 set -uo pipefail
 bash .whl/gpu-wheels install .whl >/dev/null \
   || { echo "gpu_run: the wheels did not install (carry .whl with ../shared/tools/gpu-wheels copied into it)"; exit 1; }
