@@ -133,3 +133,35 @@ def test_rescale_kernel_scales_in_place_and_skips_a_ratio_of_one(dtype):
     assert torch.equal(t, before)
     with pytest.raises(ValueError, match="contiguous"):
         rescale_(t.t(), torch.tensor(2.0, device=DEVICE))
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("store_logits", [True, False])
+def test_logits_lse_epilogue_experiment(with_bias, store_logits, monkeypatch):
+    """scripts/sweep_logits_lse.py (an experiment, not in the op): its fused GEMM + statistics match torch."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "sweep_logits_lse.py"
+    spec = importlib.util.spec_from_file_location("sweep_logits_lse", path)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    if DEVICE == "cpu":  # interpreter-sized tiles
+        for name, value in (("BLOCK_M", 16), ("BLOCK_N", 32), ("BLOCK_K", 16)):
+            monkeypatch.setattr(sweep, name, value)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 48, generator=g).to(DEVICE)
+    weight = torch.randn(72, 48, generator=g).to(DEVICE)  # 72: a partial last vocabulary tile
+    bias = torch.randn(72, generator=g).to(DEVICE) if with_bias else None
+    targets = torch.randint(0, 72, (30,), generator=g).to(DEVICE)  # rows 30..36 have no target
+    logits, lse, target_logit, row_sum = sweep.logits_logsumexp(x, weight, bias, targets, store_logits=store_logits)
+    ref = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
+    if store_logits:
+        torch.testing.assert_close(logits.double(), ref, rtol=1e-4, atol=1e-4)
+    else:
+        assert logits is None
+    torch.testing.assert_close(lse.double(), ref.logsumexp(-1), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(row_sum.double(), ref.sum(-1), rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(
+        target_logit[:30].double(), ref[:30].gather(1, targets[:, None])[:, 0], rtol=1e-4, atol=1e-4
+    )
