@@ -153,7 +153,9 @@ def test_logits_lse_epilogue_experiment(with_bias, store_logits, monkeypatch):
     x = torch.randn(37, 48, generator=g).to(DEVICE)
     weight = torch.randn(72, 48, generator=g).to(DEVICE)  # 72: a partial last vocabulary tile
     bias = torch.randn(72, generator=g).to(DEVICE) if with_bias else None
-    targets = torch.randint(0, 72, (30,), generator=g).to(DEVICE)  # rows 30..36 have no target
+    targets = torch.randint(0, 72, (30,), generator=g)  # rows 30..36 have no target
+    targets[:3] = torch.tensor([0, 32, 71])  # the first and last columns of vocabulary tiles
+    targets = targets.to(DEVICE)
     logits, lse, target_logit, row_sum = sweep.logits_logsumexp(x, weight, bias, targets, store_logits=store_logits)
     ref = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
     if store_logits:
