@@ -28,7 +28,7 @@ import triton.language as tl
 
 from trl_fused_cpo.ops import rows_triton
 
-# The defaults: the best of the sweep below at 4,092 tokens; CONFIGS overrides them one by one.
+# The defaults: the best at 4,092 tokens in the first sweep (the second's best was within 0.3%); CONFIGS overrides them.
 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, NUM_WARPS = 128, 256, 64, 8, 3, 8
 STORE_MODE, FLATTEN = 1, True  # how the logits are written (the kernel's STORE), and whether tiles pipeline
 EVAL_STAGES = 4  # no logits tile in shared memory: room for one more stage
@@ -83,6 +83,7 @@ def _logits_lse_kernel(
             acc = tl.dot(a, b.T, acc)
         cols = off_n + tl.arange(0, BN)
         rows = off_m + tl.arange(0, BM)
+        in_vocab = (cols < N)[None, :]
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         # The statistics of the rounded logits, as torch computes them: the gradient pass reads the rounded ones,
@@ -93,9 +94,8 @@ def _logits_lse_kernel(
             out_desc.store([off_m, off_n], rounded)  # the copy engine clips the tails
         if STORE == 2:
             ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
-            tl.store(ptrs, rounded, mask=in_rows[:, None] & (cols < N)[None, :])
+            tl.store(ptrs, rounded, mask=in_rows[:, None] & in_vocab)
         acc = rounded.to(tl.float32)
-        in_vocab = (cols < N)[None, :]
         z = tl.where(in_vocab, acc, float("-inf"))
         tile_max = tl.max(z, axis=1)
         tile_sum = tl.sum(tl.exp(z - tile_max[:, None]), axis=1)
@@ -219,7 +219,6 @@ CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, NUM_WARPS, STORE
     (128, 256, 64, 8, 3, 8, 1, False, 4),
     (128, 256, 64, 16, 3, 8, 1, True, 5),
     (128, 256, 64, 4, 3, 8, 1, True, 4),
-    (128, 256, 64, 8, 3, 12, 1, True, 4),
     (256, 128, 64, 8, 4, 8, 2, True, 4),
 ]
 NAMES = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "NUM_STAGES", "NUM_WARPS", "STORE_MODE", "FLATTEN", "EVAL_STAGES")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import torch
 
@@ -47,3 +50,13 @@ def make_batch(
 @pytest.fixture
 def batch_factory():
     return make_batch
+
+
+def load_script(name: str):
+    """``scripts/<name>.py`` as a module (the scripts are not a package)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module

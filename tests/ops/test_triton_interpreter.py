@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from conftest import make_batch
+from conftest import load_script, make_batch
 
 from trl_fused_cpo import fused_linear_cpo_loss
 from trl_fused_cpo.ops import rows_torch
@@ -139,13 +139,7 @@ def test_rescale_kernel_scales_in_place_and_skips_a_ratio_of_one(dtype):
 @pytest.mark.parametrize("store_logits", [True, False])
 def test_logits_lse_epilogue_experiment(with_bias, store_logits, monkeypatch):
     """scripts/sweep_logits_lse.py (an experiment, not in the op): its fused GEMM + statistics match torch."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "scripts" / "sweep_logits_lse.py"
-    spec = importlib.util.spec_from_file_location("sweep_logits_lse", path)
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
+    sweep = load_script("sweep_logits_lse")
     if DEVICE == "cpu":  # interpreter-sized tiles
         for name, value in (("BLOCK_M", 16), ("BLOCK_N", 32), ("BLOCK_K", 16)):
             monkeypatch.setattr(sweep, name, value)
