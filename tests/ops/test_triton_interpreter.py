@@ -161,3 +161,42 @@ def test_logits_lse_epilogue_experiment(with_bias, store_logits, monkeypatch):
     torch.testing.assert_close(
         target_logit[:30].double(), ref[:30].gather(1, targets[:, None])[:, 0], rtol=1e-4, atol=1e-4
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("spread", [2.0, 100.0])  # 100: logits far above the target's, the rescaling path
+def test_frozen_grad_kernels_match_torch(dtype, spread):
+    """shifted_exp_ (E · inv = softmax without the target column) and frozen_dx_ against rows_torch."""
+    from trl_fused_cpo.ops import rows_triton
+
+    g = torch.Generator().manual_seed(int(spread))
+    rows, vocab, hidden = 4, 8193 + 4096, 24  # two segments of 8,192, the second partly filled
+    logits = torch.randn(rows, vocab, generator=g) * 2
+    targets = torch.randint(0, vocab, (rows,), generator=g)
+    if spread > 64:
+        logits[0, 5000] = spread  # a later block of segment 0: rescale its earlier blocks
+        logits[1, 9000] = spread  # segment 1 only: the combine brings segment 0 to its shift
+        logits[2, 100] = spread / 2  # the first block
+        logits[2, 8200] = spread  # both segments, different shifts
+    logits = logits.to(dtype).to(DEVICE)
+    targets = targets.to(DEVICE)
+    got, want = logits.clone(), logits.clone()
+    lse, tgt, row_sum, keep, inv = rows_triton.shifted_exp_(got, targets)
+    lse_r, tgt_r, row_sum_r, keep_r, inv_r = rows_torch.shifted_exp_(want, targets)
+    torch.testing.assert_close(lse, lse_r, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(tgt, tgt_r)
+    torch.testing.assert_close(row_sum, row_sum_r, rtol=1e-5, atol=1e-2)
+    torch.testing.assert_close(keep, keep_r, rtol=1e-5, atol=1e-7)
+    rtol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.float() * inv[:, None], want.float() * inv_r[:, None], rtol=rtol, atol=1e-7)
+
+    weight = torch.randn(vocab, hidden, generator=g).to(dtype).to(DEVICE)
+    products = got.float() @ weight.float()
+    coef = torch.randn(2, generator=g).to(DEVICE)
+    token_row = torch.tensor([0, 1, 1, 0], device=DEVICE)
+    token_index = torch.tensor([5, 0, 2, 7], device=DEVICE)
+    dx, dx_r = (torch.zeros(9, hidden, dtype=dtype, device=DEVICE) for _ in range(2))
+    args = (products, weight, targets, coef, token_row, keep, inv)
+    rows_triton.frozen_dx_(dx, token_index, *args)
+    rows_torch.frozen_dx_(dx_r, token_index, *args)
+    torch.testing.assert_close(dx, dx_r, rtol=1e-5 if dtype == torch.float32 else 1e-3, atol=1e-6)

@@ -88,16 +88,24 @@ def linear_cpo_forward(
     dw_written = False
     loss = None  # float64, summed over the groups (a Python accumulator: one launch fewer before the first GEMM)
 
+    # A frozen head: dX = coef · (onehot − softmax)·W with one scalar coefficient per row, so each slice's logits
+    # become unnormalised exponentials in one pass and go through the dX product at once, into fp32; the
+    # coefficients and the normalisation are applied after (frozen_grad_kernels.py). The logits are computed once
+    # whatever the budget, and a pair longer than it is cut freely. (dW and db sum over rows: they need the
+    # coefficient first, and recompute a split pair instead.)
+    frozen = need_dx and not (need_dw or need_db)
+    if frozen:
+        token_keep = torch.empty(plan.num_tokens, device=device, dtype=acc_dtype)
+        token_inv = torch.empty_like(token_keep)
     for group in plan.groups:
         slices = group.slices(max_tokens)
         kept = None  # the group's logits, kept for the gradient pass when the group is one slice
-        # A frozen head's pair longer than the budget: dX = coef · (onehot − softmax)·W and the coefficient is one
-        # scalar per row, so each slice's unscaled product goes to fp32 at once and is scaled when the pair's
-        # log-probs are known: the logits are computed once, whatever the budget. (dW and db sum over rows: they
-        # need the coefficient first, and recompute instead.)
-        deferred = None
-        if len(slices) > 1 and need_dx and not (need_dw or need_db):
-            deferred = torch.empty(group.tok_end - group.tok_start, hidden_size, device=device, dtype=acc_dtype)
+        span = slice(group.tok_start, group.tok_end)
+        products = (
+            torch.empty(group.tok_end - group.tok_start, hidden_size, device=device, dtype=acc_dtype)
+            if frozen
+            else None
+        )
         lses = []
         for s, e in slices:
             x = x_all.index_select(0, plan.token_index[s:e])
@@ -108,14 +116,17 @@ def linear_cpo_forward(
             if extra:
                 unlabelled_sum = logits[e - s :].sum(-1, dtype=acc_dtype)
                 x, logits = x[: e - s], logits[: e - s]  # row prefixes: still contiguous
-            lse, target_logit, token_sum[s:e] = rows.logsumexp_target(logits, plan.targets[s:e])
+            if frozen:
+                lse, target_logit, token_sum[s:e], token_keep[s:e], token_inv[s:e] = rows.shifted_exp_(
+                    logits, plan.targets[s:e]
+                )
+                gemm.mm_into(products[s - group.tok_start : e - group.tok_start], logits, weight)
+            else:
+                lse, target_logit, token_sum[s:e] = rows.logsumexp_target(logits, plan.targets[s:e])
+                if len(slices) == 1 and any_grad:
+                    kept = (x, logits)
             token_logp[s:e] = target_logit - lse
             lses.append(lse)
-            if deferred is not None:
-                rows.softmax_grad_(logits, lse, plan.targets[s:e], torch.ones_like(lse))
-                gemm.mm_into(deferred[s - group.tok_start : e - group.tok_start], logits, weight)
-            elif len(slices) == 1 and any_grad:
-                kept = (x, logits)
             del logits
         chosen_s, rejected_s, divisor = sequence_logps(
             plan, token_logp, group.pair_start, group.pair_end, group.tok_start, group.tok_end, hp
@@ -135,9 +146,18 @@ def linear_cpo_forward(
             dw = torch.empty(weight.shape, device=device, dtype=weight.dtype if single_gemm else acc_dtype)
         if db is None and need_db:
             db = torch.zeros(vocab, device=device, dtype=acc_dtype)
-        if deferred is not None:
-            span = slice(group.tok_start, group.tok_end)
-            dx.index_copy_(0, plan.token_index[span], deferred.mul_(row_coef[plan.token_row[span], None]).to(dx.dtype))
+        if frozen:
+            rows.frozen_dx_(
+                dx,
+                plan.token_index[span],
+                products,
+                weight,
+                plan.targets[span],
+                row_coef,
+                plan.token_row[span],
+                token_keep[span],
+                token_inv[span],
+            )
             continue
         for (s, e), lse in zip(slices, lses, strict=True):
             idx = plan.token_index[s:e]

@@ -34,6 +34,36 @@ def softmax_grad_(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor
     return logits.copy_(grad)
 
 
+def shifted_exp_(
+    logits: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A frozen head's one pass (``frozen_grad_kernels.py``): ``logits`` becomes ``E`` with ``E · inv`` the softmax
+    without the target column; returns ``(lse, target_logit, row_sum, keep = 1 − p(target), inv)``. Here the shift
+    is the log-sum-exp itself, so ``inv`` is 1."""
+    lse, target_logit, row_sum = logsumexp_target(logits, targets)
+    lf = logits if logits.dtype == torch.float64 else logits.float()
+    probs = torch.exp(lf - lse[:, None]).scatter_(1, targets[:, None], 0.0)
+    logits.copy_(probs)
+    return lse, target_logit, row_sum, probs.sum(-1), torch.ones_like(lse)
+
+
+def frozen_dx_(
+    dx: torch.Tensor,
+    token_index: torch.Tensor,
+    g: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    row_coef: torch.Tensor,
+    token_row: torch.Tensor,
+    keep: torch.Tensor,
+    inv: torch.Tensor,
+) -> None:
+    """``dx[token_index] = coef · (keep · W[target] − inv · G)`` with ``coef = row_coef[token_row]``, ``G = E·W``."""
+    coef = row_coef[token_row]
+    w = weight.index_select(0, targets).to(g.dtype)
+    dx.index_copy_(0, token_index, ((coef * keep)[:, None] * w - (coef * inv)[:, None] * g).to(dx.dtype))
+
+
 def label_counts(labels: torch.Tensor, ignore_index: int, vocab_size: int) -> torch.Tensor:
     """``[2, 2B]``: labelled tokens per row, and labels outside ``[0, vocab_size)`` per row."""
     labelled = labels != ignore_index

@@ -1,7 +1,8 @@
 """Triton row passes and plan kernels, the same interface as ``rows_torch``: one kernel file per concern."""
 
+from .frozen_grad_kernels import frozen_dx_, shifted_exp_
 from .logsumexp_kernel import logsumexp_target
 from .plan_kernels import compact_labels, label_counts
 from .softmax_grad_kernel import softmax_grad_
 
-__all__ = ["compact_labels", "label_counts", "logsumexp_target", "softmax_grad_"]
+__all__ = ["compact_labels", "frozen_dx_", "label_counts", "logsumexp_target", "shifted_exp_", "softmax_grad_"]

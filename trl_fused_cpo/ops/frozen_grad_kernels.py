@@ -1,0 +1,201 @@
+"""Triton kernels of a frozen head's gradient: one pass over the logits instead of two.
+
+With no weight gradient, ``dX = coef · (onehot − softmax)·W`` and the coefficient is one scalar per row, so the
+softmax need not be normalised before the product. ``shifted_exp_`` overwrites each row's logits with
+``E = exp(z − c)`` (the target's column set to 0) for a shift ``c`` known before the pass, the row's target logit,
+while it sums ``S = Σ E`` and ``S' = Σ_{v≠target} E``: one read and one write, where log-sum-exp then
+softmax-gradient read twice and wrote once. After the GEMM ``G = E·W`` (fp32), ``frozen_dx_`` writes
+``dX = coef · (S'/S · W[target] − G/S)``: the target term ``1 − p`` comes as ``S'/S``, a sum of the other terms,
+so it does not cancel when ``p → 1``.
+
+The target logit as the shift (bf16 and fp32, whose range is fp32's; fp16 shifts by the log-sum-exp): every term near the row's max has ``z − c ≥ 0`` (no underflow), and
+``exp(z − c)`` overflows only where ``log p(target) < −64``; a segment that meets such a block rescales what it
+wrote (a rare second pass over that segment) and the combine kernel brings the row's segments to one shift.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .logsumexp_kernel import BLOCK_V, NUM_WARPS, SEGMENT_COLS, logsumexp_target
+
+SHIFT_LIMIT = 64.0  # exp(64) ≈ 6e27: Σ over 128k columns stays far from fp32's 3e38
+
+
+@triton.jit
+def _shifted_exp_kernel(
+    logits_ptr,
+    targets_ptr,
+    shift_ptr,
+    part_ptr,
+    rows,
+    V,
+    stride_row,
+    LIMIT: tl.constexpr,
+    SEGMENT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    seg = tl.program_id(1)
+    row_ptr = logits_ptr + row * stride_row
+    start = seg * SEGMENT
+    offsets = tl.arange(0, BLOCK)
+    target = tl.load(targets_ptr + row)
+    c = tl.load(shift_ptr + row)
+    s = 0.0
+    s_other = 0.0
+    total = 0.0
+    for off in tl.range(0, SEGMENT, BLOCK):
+        cols = start + off + offsets
+        x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        block_max = tl.max(x, axis=0)
+        if block_max > c + LIMIT:  # rare: rescale this segment's earlier blocks to the new shift
+            factor = tl.exp(c - block_max)
+            for prev in tl.range(0, off, BLOCK):
+                pcols = start + prev + offsets
+                e = tl.load(row_ptr + pcols, mask=pcols < V, other=0.0).to(tl.float32)
+                tl.store(row_ptr + pcols, (e * factor).to(logits_ptr.dtype.element_ty), mask=pcols < V)
+            s *= factor
+            s_other *= factor
+            c = block_max
+        e = tl.exp(x - c)
+        e_other = tl.where(cols == target, 0.0, e)
+        s += tl.sum(e, axis=0)
+        s_other += tl.sum(e_other, axis=0)
+        total += tl.sum(tl.where(cols < V, x, 0.0), axis=0)
+        tl.store(row_ptr + cols, e_other.to(logits_ptr.dtype.element_ty), mask=cols < V)
+    part = seg.to(tl.int64) * rows + row
+    plane = tl.num_programs(1) * rows
+    tl.store(part_ptr + part, c)
+    tl.store(part_ptr + plane + part, s)
+    tl.store(part_ptr + 2 * plane + part, s_other)
+    tl.store(part_ptr + 3 * plane + part, total)
+
+
+@triton.jit
+def _shifted_exp_combine_kernel(
+    logits_ptr,
+    part_ptr,
+    lse_ptr,
+    row_sum_ptr,
+    keep_ptr,
+    inv_ptr,
+    rows,
+    segments,
+    V,
+    stride_row,
+    SEGMENT: tl.constexpr,
+    SEGMENTS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, SEGMENTS)
+    in_seg = g < segments
+    offs = g.to(tl.int64) * rows + row
+    plane = segments * rows
+    shift = tl.load(part_ptr + offs, mask=in_seg, other=float("-inf"))
+    c = tl.max(shift, axis=0)
+    scale = tl.where(in_seg, tl.exp(shift - c), 0.0)
+    s = tl.sum(tl.load(part_ptr + plane + offs, mask=in_seg, other=0.0) * scale, axis=0)
+    s_other = tl.sum(tl.load(part_ptr + 2 * plane + offs, mask=in_seg, other=0.0) * scale, axis=0)
+    total = tl.sum(tl.load(part_ptr + 3 * plane + offs, mask=in_seg, other=0.0), axis=0)
+    if tl.min(tl.where(in_seg, shift, c), axis=0) != c:  # rare: segments on different shifts, bring them to c
+        row_ptr = logits_ptr + row * stride_row
+        offsets = tl.arange(0, BLOCK)
+        for k in range(segments):
+            seg_shift = tl.load(part_ptr + k * rows + row)
+            if seg_shift != c:
+                factor = tl.exp(seg_shift - c)
+                for off in tl.range(0, SEGMENT, BLOCK):
+                    cols = k * SEGMENT + off + offsets
+                    e = tl.load(row_ptr + cols, mask=cols < V, other=0.0).to(tl.float32)
+                    tl.store(row_ptr + cols, (e * factor).to(logits_ptr.dtype.element_ty), mask=cols < V)
+    tl.store(lse_ptr + row, c + tl.log(s))
+    tl.store(row_sum_ptr + row, total)
+    tl.store(keep_ptr + row, s_other / s)
+    tl.store(inv_ptr + row, 1.0 / s)
+
+
+def shifted_exp_(
+    logits: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """In place: ``logits`` ``[C, V]`` becomes ``E = exp(z − c)`` with each row's target column 0.
+
+    Returns ``(lse, target_logit, row_sum, keep, inv)``, float32 ``[C]``: ``keep = 1 − p(target)`` and
+    ``inv = 1/Σ exp(z − c)``, so that ``E · inv`` is the softmax without the target column.
+    """
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"logits must be a row-major [C, V] matrix; got shape {tuple(logits.shape)}")
+    rows, vocab = logits.shape
+    if targets.shape != (rows,):
+        raise ValueError(f"targets must be [{rows}]; got {tuple(targets.shape)}")
+    if logits.dtype == torch.float16:
+        # fp16 tops out at exp(11): shift by the log-sum-exp (a read more, as the two-pass path) so that E ≤ 1.
+        shift, target_logit, _ = logsumexp_target(logits, targets)
+    else:  # bf16 and fp32 have fp32's range: the target logit is a shift known without a pass
+        target_logit = logits.gather(1, targets[:, None])[:, 0].float()  # read before the pass zeroes the column
+        shift = target_logit
+    lse, row_sum, keep, inv = (torch.empty_like(target_logit) for _ in range(4))
+    if rows:
+        segments = triton.cdiv(vocab, SEGMENT_COLS)
+        part = torch.empty(4, segments, rows, device=logits.device, dtype=torch.float32)
+        block = min(BLOCK_V, SEGMENT_COLS)
+        _shifted_exp_kernel[(rows, segments)](
+            logits, targets, shift, part, rows, vocab, logits.stride(0),
+            LIMIT=SHIFT_LIMIT, SEGMENT=SEGMENT_COLS, BLOCK=block, num_warps=NUM_WARPS,
+        )  # fmt: skip
+        _shifted_exp_combine_kernel[(rows,)](
+            logits, part, lse, row_sum, keep, inv, rows, segments, vocab, logits.stride(0),
+            SEGMENT=SEGMENT_COLS, SEGMENTS=triton.next_power_of_2(segments), BLOCK=block, num_warps=1,
+        )  # fmt: skip
+    return lse, target_logit, row_sum, keep, inv
+
+
+@triton.jit
+def _frozen_dx_kernel(
+    dx_ptr,
+    token_index_ptr,
+    g_ptr,
+    w_ptr,
+    targets_ptr,
+    row_coef_ptr,
+    token_row_ptr,
+    keep_ptr,
+    inv_ptr,
+    H,
+    BLOCK_H: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < H
+    coef = tl.load(row_coef_ptr + tl.load(token_row_ptr + i)).to(tl.float32)
+    target = tl.load(targets_ptr + i)
+    w = tl.load(w_ptr + target * H + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + i * H + cols, mask=mask, other=0.0)
+    dx = coef * (tl.load(keep_ptr + i) * w - tl.load(inv_ptr + i) * g)
+    dst = dx_ptr + tl.load(token_index_ptr + i) * H + cols
+    tl.store(dst, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def frozen_dx_(
+    dx: torch.Tensor,
+    token_index: torch.Tensor,
+    g: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    row_coef: torch.Tensor,
+    token_row: torch.Tensor,
+    keep: torch.Tensor,
+    inv: torch.Tensor,
+) -> None:
+    """``dx[token_index] = coef · (keep · W[target] − inv · G)``, ``coef = row_coef[token_row]``, per token."""
+    tokens, hidden = g.shape
+    if not (dx.is_contiguous() and g.is_contiguous() and weight.is_contiguous()):
+        raise ValueError("frozen_dx_ needs contiguous dx, G and weight")
+    if tokens:
+        block = 1024
+        _frozen_dx_kernel[(tokens, triton.cdiv(hidden, block))](
+            dx, token_index, g, weight, targets, row_coef, token_row, keep, inv, hidden, BLOCK_H=block, num_warps=4
+        )
