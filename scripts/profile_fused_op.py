@@ -17,7 +17,7 @@ import triton
 
 from trl_fused_cpo import fused_linear_cpo_loss
 from trl_fused_cpo.ops import rows_triton
-from trl_fused_cpo.ops.gemm import accumulate_mm
+from trl_fused_cpo.ops.gemm import accumulate_mm, mm_into
 
 
 def bench(fn, warmup=25, rep=200) -> float:
@@ -63,8 +63,17 @@ def main(argv: list[str] | None = None) -> dict:
         "dw_gemm_bf16": bench(lambda: torch.mm(logits.t(), x)),
         "index_select": bench(lambda: hidden.reshape(-1, h).index_select(0, torch.arange(c, device=dev))),
     }
+    # A frozen head's one-pass gradient (frozen_grad_kernels.py): exponentials in place, then G = E·W in fp32.
+    # shifted_exp_ overwrites its input, so each timed call starts from a copy of the logits (the copy is timed
+    # alone and subtracted).
+    scratch, products = torch.empty_like(logits), torch.empty(c, h, device=dev, dtype=torch.float32)
+    copy_ms = bench(lambda: scratch.copy_(logits))
+    stage["frozen_shifted_exp_kernel"] = (
+        bench(lambda: rows_triton.shifted_exp_(scratch.copy_(logits), targets)) - copy_ms
+    )
+    stage["frozen_g_gemm_fp32_out"] = bench(lambda: mm_into(products, scratch, weight))
     flops_chunk = 2 * c * v * h
-    for k in ("logits_gemm", "dx_gemm", "dw_gemm_fp32_acc", "dw_gemm_bf16"):
+    for k in ("logits_gemm", "dx_gemm", "dw_gemm_fp32_acc", "dw_gemm_bf16", "frozen_g_gemm_fp32_out"):
         stage[k + "_tflops"] = flops_chunk / stage[k] / 1e9
 
     x_all, w_all = hidden.reshape(-1, h), weight
