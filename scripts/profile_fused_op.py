@@ -10,6 +10,7 @@ tokens. Used for docs/kernel-notes.md; the side-by-side with peers is scripts/be
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
@@ -24,6 +25,52 @@ def bench(fn, warmup=25, rep=200) -> float:
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
+def gpu_timeline(fn, name: str, batch: int, calls: int = 3) -> dict:
+    """Kernels of ``calls`` back-to-back calls (as do_bench runs them): GPU busy time, span and the idle gaps.
+
+    The op syncs once on the host per call (the token plan), so each call starts with the GPU idle while the host
+    plans and launches; the gaps say how long, and which kernel ends them.
+    """
+    import os
+    import tempfile
+
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as fh:
+        events = json.load(fh)["traceEvents"]
+    kernels = sorted(
+        (e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy") and "dur" in e),
+        key=lambda e: e["ts"],
+    )
+    busy = sum(e["dur"] for e in kernels)
+    span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]
+    gaps = []
+    for prev, nxt in itertools.pairwise(kernels):
+        gap = nxt["ts"] - (prev["ts"] + prev["dur"])
+        if gap > 5:
+            gaps.append((gap, prev["name"][:60], nxt["name"][:60]))
+    idle = sum(g for g, _, _ in gaps)
+    print(
+        f"--- timeline: {name}, B = {batch}, {calls} calls: span {span / 1e3:.3f} ms, kernels {busy / 1e3:.3f} ms, "
+        f"{len(kernels)} kernels, idle gaps > 5 us {idle / 1e3:.3f} ms"
+    )
+    for gap, before, after in sorted(gaps, reverse=True)[:12]:
+        print(f"  {gap:8.1f} us idle  after {before}  before {after}")
+    top: dict[str, float] = {}
+    for e in kernels:
+        top[e["name"][:70]] = top.get(e["name"][:70], 0.0) + e["dur"]
+    for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"  {v / 1e3 / calls:8.3f} ms/call  {k}")
+    return {"span_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_gaps_ms": idle / 1e3, "calls": calls}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=16, help="sequences (B/2 pairs)")
@@ -36,6 +83,11 @@ def main(argv: list[str] | None = None) -> dict:
         "--trace",
         action="store_true",
         help="also print a torch.profiler table of one trainable, frozen and no-grad call",
+    )
+    p.add_argument(
+        "--timeline",
+        action="store_true",
+        help="also print the GPU timeline of three back-to-back frozen and no-grad calls: busy time and idle gaps",
     )
     args = p.parse_args(argv)
     dev, dt = "cuda", torch.bfloat16
@@ -136,6 +188,14 @@ def main(argv: list[str] | None = None) -> dict:
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=70))
             if args.json:
                 prof.export_chrome_trace(args.json.replace(".json", f"_{name}_trace.json"))
+    if args.timeline:
+
+        def no_grad_call():
+            with torch.no_grad():
+                fused_linear_cpo_loss(hidden, weight, labels, backend="triton")
+
+        for name, fn in [("frozen", step(True)), ("forward", no_grad_call)]:
+            whole[name + "_timeline"] = gpu_timeline(fn, name, b)
     with torch.no_grad():
         whole["forward"] = {"ms": bench(lambda: fused_linear_cpo_loss(hidden, weight, labels, backend="triton"), 5, 40)}
     result = {"shape": vars(args), "labelled_tokens": n, "stage_ms_one_chunk": stage, "floor_ms": floor, "fused": whole}

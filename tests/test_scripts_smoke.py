@@ -13,6 +13,11 @@ def test_benchmark_kernel_quick(tmp_path):
     load_script("benchmark_kernel").main(["--quick", "--out", str(tmp_path), "--no-plots"])
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["accuracy"] and (tmp_path / "results.csv").exists()
+    # The docs' tables come from this JSON (on CPU there is no Triton "fused" entry: its cells read "-").
+    text = load_script("kernel_tables").main([str(tmp_path / "results.json"), "--long", str(tmp_path / "results.json")])
+    torch_row = next(r for r in results["results"] if r["impl"] == "torch" and r["workload"] == "full")
+    assert f"| {torch_row['B']} | {torch_row['labelled']} |" in text
+    assert f"| {torch_row['ms']:.1f}" in text and "**fused**" in text
 
 
 @pytest.mark.slow
