@@ -61,6 +61,13 @@ def test_plan_kernels_match_torch(rows, seq_len):
     strided = torch.zeros(rows, seq_len + 3, dtype=labels.dtype, device=DEVICE)[:, :seq_len]
     strided.copy_(labels)  # a view with row stride T + 3
     assert torch.equal(rows_triton.compact_labels(strided, counts[0], n, -100)[0], want[0])
+    # Sized for every position (plan.LabelLayout, queued before the count is known): the same first n entries,
+    # and a token_index tail of valid positions, which a gather queued before the sync reads.
+    for ops in (rows_triton, rows_torch):
+        every = ops.compact_labels(labels, counts[0], labels.numel(), -100)
+        for a, b in zip(every, want, strict=True):
+            assert a.shape == (labels.numel(),) and torch.equal(a[:n], b)
+        assert 0 <= int(every[0].min()) and int(every[0].max()) < labels.numel()
 
 
 def test_kernels_reject_bad_shapes():

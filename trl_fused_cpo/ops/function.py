@@ -20,7 +20,7 @@ import torch
 
 from ..loss import CPOHyperparams, cpo_pair_loss_grads, cpo_pair_losses
 from . import gemm, grad_scale
-from .plan import plan_tokens
+from .plan import first_slice_bound, lay_out_labels, plan_tokens
 from .sequence import (
     Grads,
     finish,
@@ -62,18 +62,27 @@ def linear_cpo_forward(
     vocab = weight.shape[0]
     device = hidden.device
     need_dx, need_dw, need_db = need_grads
-    # Queued before the plan's host sync: the GPU does this while the host plans.
-    unlabelled_hidden = unlabelled_hidden_sums(hidden.detach(), labels, ignore_index)
+    whole_batch_tokens = whole_batch_tokens if need_dw else None
+    x_all = hidden.reshape(num_rows * seq_len, hidden_size)
+    # Queued before the plan's host sync, so that after it the host launches the first GEMM at once (the GPU idles
+    # from the sync to that launch): the label layout, and the first GEMM's rows, the 2B unlabelled-sum rows then
+    # the first tokens, gathered for the largest first slice the plan can make.
+    layout = lay_out_labels(labels, ignore_index=ignore_index, vocab_size=vocab, ops=rows)
+    extras = num_rows
+    first_rows = first_slice_bound(num_rows * seq_len, max_tokens, whole_batch_tokens)
+    first_x = torch.empty(extras + first_rows, hidden_size, device=device, dtype=hidden.dtype)
+    first_x[:extras] = unlabelled_hidden_sums(hidden.detach(), labels, ignore_index)
+    torch.index_select(x_all.detach(), 0, layout.token_index[:first_rows], out=first_x[extras:])
     plan = plan_tokens(
         labels,
         ignore_index=ignore_index,
         vocab_size=vocab,
         max_tokens=max_tokens,
-        whole_batch_tokens=whole_batch_tokens if need_dw else None,
+        whole_batch_tokens=whole_batch_tokens,
         ops=rows,
+        layout=layout,
     )
     max_tokens = plan.max_tokens
-    x_all = hidden.reshape(num_rows * seq_len, hidden_size)
     any_grad = need_dx or need_dw or need_db
 
     acc_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32  # per-token and per-row math
@@ -108,14 +117,16 @@ def linear_cpo_forward(
         )
         lses = []
         for s, e in slices:
-            x = x_all.index_select(0, plan.token_index[s:e])
-            extra = unlabelled_sum is None  # the first GEMM also takes the 2B unlabelled-sum rows
-            if extra:
-                x = torch.cat([x, unlabelled_hidden])
-            logits = gemm.logits(x, weight, bias)
-            if extra:
-                unlabelled_sum = logits[e - s :].sum(-1, dtype=acc_dtype)
-                x, logits = x[: e - s], logits[: e - s]  # row prefixes: still contiguous
+            if unlabelled_sum is None:  # the first GEMM, on the rows gathered before the sync
+                if s != 0 or e > first_rows:
+                    raise AssertionError(f"first slice [{s}, {e}) outside the {first_rows} rows gathered for it")
+                logits = gemm.logits(first_x[: extras + e], weight, bias)
+                unlabelled_sum = logits[:extras].sum(-1, dtype=acc_dtype)
+                x, logits = first_x[extras : extras + e], logits[extras:]  # row suffixes: still contiguous
+                first_x = None  # the other slices gather their own rows
+            else:
+                x = x_all.index_select(0, plan.token_index[s:e])
+                logits = gemm.logits(x, weight, bias)
             if frozen:
                 lse, target_logit, token_sum[s:e], token_keep[s:e], token_inv[s:e] = rows.shifted_exp_(
                     logits, plan.targets[s:e]
@@ -178,6 +189,7 @@ def linear_cpo_forward(
 
     warn_where_trl_gives_nan(plan.row_counts_host, hp)
     if unlabelled_sum is None:  # no labelled token at all: no chunk GEMM carried the extra rows
+        unlabelled_hidden = unlabelled_hidden_sums(hidden.detach(), labels, ignore_index)
         unlabelled_sum = unlabelled_logit_sums(unlabelled_hidden, weight, bias, acc_dtype)
     row_means = row_logit_means(plan, token_sum, unlabelled_sum, bias, seq_len, vocab)
     loss, chosen_logps, rejected_logps, nll = finish(plan, hp, token_logp, loss, acc_dtype)

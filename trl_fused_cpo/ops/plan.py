@@ -71,6 +71,28 @@ class TokenPlan:
         return sum(self.row_counts_host[: len(self.row_counts_host) // 2])
 
 
+@dataclass(frozen=True)
+class LabelLayout:
+    """The labelled positions in pair order, launched on the device and not yet read by the host.
+
+    Sized for every position (``[2B * T]``): the first N entries are the labelled tokens (N is known only after
+    the plan's host sync), and the rest of ``token_index`` holds valid positions, so that a gather over any prefix
+    can be queued before the sync (``function.py`` gathers the first chunk's hidden states that way).
+    """
+
+    counts: torch.Tensor  # [2, 2B] int32: labelled tokens per row, out-of-range labels per row
+    token_index: torch.Tensor
+    token_row: torch.Tensor
+    targets: torch.Tensor
+
+
+def lay_out_labels(labels: torch.Tensor, *, ignore_index: int, vocab_size: int, ops: ModuleType) -> LabelLayout:
+    """Queue the label counts and the pair-ordered compaction: no host synchronisation."""
+    counts = ops.label_counts(labels, ignore_index, vocab_size)
+    token_index, token_row, targets = ops.compact_labels(labels, counts[0], labels.numel(), ignore_index)
+    return LabelLayout(counts, token_index, token_row, targets)
+
+
 def plan_tokens(
     labels: torch.Tensor,
     *,
@@ -79,21 +101,24 @@ def plan_tokens(
     max_tokens: int,
     whole_batch_tokens: int | None = None,
     ops: ModuleType = rows_torch,
+    layout: LabelLayout | None = None,
 ) -> TokenPlan:
     """Compact the labelled positions of ``labels`` ``[2B, T]`` into pair-ordered, budgeted chunks.
 
     One host synchronisation: the per-row counts (and the count of out-of-range labels, checked here so that a
-    bad id raises instead of reading past the weight matrix).
+    bad id raises before anything indexes the weight matrix with it).
 
     Args:
         whole_batch_tokens: a batch with at most this many labelled tokens is one chunk whatever ``max_tokens``
             says (the caller's larger budget for a single GEMM, which needs no fp32 weight-gradient accumulator).
         ops: ``rows_torch`` or ``rows_triton``, for ``label_counts`` and ``compact_labels``.
+        layout: ``lay_out_labels``' result, where the caller queued work on it before this sync.
     """
+    if layout is None:
+        layout = lay_out_labels(labels, ignore_index=ignore_index, vocab_size=vocab_size, ops=ops)
     rows = labels.shape[0]
     num_pairs = rows // 2
-    counts = ops.label_counts(labels, ignore_index, vocab_size)
-    host = counts.tolist()  # the one sync
+    host = layout.counts.tolist()  # the one sync
     row_counts_host, num_bad = host[0], sum(host[1])
     if num_bad:
         mask = labels != ignore_index
@@ -105,8 +130,6 @@ def plan_tokens(
     num_tokens = sum(row_counts_host)
     if whole_batch_tokens is not None and num_tokens <= whole_batch_tokens:
         max_tokens = max(max_tokens, num_tokens)
-    row_counts = counts[0]
-    token_index, token_row, targets = ops.compact_labels(labels, row_counts, num_tokens, ignore_index)
 
     groups: list[ChunkGroup] = []
     start_pair, start_tok, tok = 0, 0, 0
@@ -117,4 +140,10 @@ def plan_tokens(
             start_pair, start_tok = i, tok
         tok += n
     groups.append(ChunkGroup(start_pair, num_pairs, start_tok, tok))
-    return TokenPlan(token_index, token_row, targets, row_counts, row_counts_host, groups, max_tokens)
+    token_index, token_row, targets = (t[:num_tokens] for t in (layout.token_index, layout.token_row, layout.targets))
+    return TokenPlan(token_index, token_row, targets, layout.counts[0], row_counts_host, groups, max_tokens)
+
+
+def first_slice_bound(num_positions: int, max_tokens: int, whole_batch_tokens: int | None) -> int:
+    """The most tokens ``plan_tokens`` can put in its first slice, known before its sync."""
+    return min(num_positions, max(max_tokens, whole_batch_tokens or 0))

@@ -1,8 +1,8 @@
 """Triton kernels for the token plan (``plan.py``): two launches where the torch version takes about twenty.
 
 Before its one host sync the op is launch-bound, not GPU-bound: the GPU waits for the host to queue each small
-op (≈ 1.5 ms at B = 4 through a profiler, 7% of the call). ``label_counts`` is the one kernel before the sync,
-``compact_labels`` the one after it; the layout they write is ``rows_torch``'s (the spec).
+op (≈ 1.5 ms at B = 4 through a profiler, 7% of the call). Both are queued before the sync (``compact_labels``
+sized for every position, ``plan.LabelLayout``); the layout they write is ``rows_torch``'s (the spec).
 """
 
 from __future__ import annotations
@@ -83,9 +83,10 @@ def compact_labels(
     """``(token_index, token_row, targets)``, each ``[num_tokens]`` int64, in pair order (``plan.py``)."""
     labels = labels if labels.stride(1) == 1 else labels.contiguous()
     rows, seq_len = labels.shape
-    token_index, token_row, targets = (
-        torch.empty(num_tokens, device=labels.device, dtype=torch.int64) for _ in range(3)
-    )
+    # token_index zero-filled: past the labelled tokens (num_tokens may be every position: plan.LabelLayout) it
+    # must still hold valid positions for a gather queued before the count is known.
+    token_index = torch.zeros(num_tokens, device=labels.device, dtype=torch.int64)
+    token_row, targets = (torch.empty(num_tokens, device=labels.device, dtype=torch.int64) for _ in range(2))
     if num_tokens:
         _compact_labels_kernel[(rows,)](
             labels,
