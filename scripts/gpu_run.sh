@@ -6,8 +6,10 @@
 #   steps: tests (GPU-capable tests), profile (stage timings), wrappers (FSDP2 / ZeRO-3 / LoRA / QLoRA checks),
 #          kernel (scripts/benchmark_kernel.py, every peer), kernel-long (fused, fused-lean and floor only, 1.5 s per
 #          entry: the steadier ratios), frozen-budgets (the frozen head at 256 / 384 / 512 MiB), e2e
-#          (scripts/benchmark_e2e.py, 1B/3B/8B + 20-step loss curves), recipe (the 1B recipe through accelerate
-#          launch), maxbatch / maxbatch-8b (largest micro-batch per trainer, 1B / 8B LoRA); default: tests profile
+#          (scripts/benchmark_e2e.py, 1B/3B/8B + 20-step loss curves), kernel-ab (fused-only long runs of this tree,
+#          of each version that scripts/stage_ab.sh staged under ab/ (carry "ab"), then of this tree again: A/B/A),
+#          recipe (the 1B recipe through accelerate launch), maxbatch / maxbatch-8b (largest micro-batch per
+#          trainer, 1B / 8B LoRA); default: tests profile
 set -uo pipefail
 bash .whl/gpu-wheels install .whl >/dev/null \
   || { echo "gpu_run: the wheels did not install (carry .whl with ../shared/tools/gpu-wheels copied into it)"; exit 1; }
@@ -41,6 +43,14 @@ for what in "${steps[@]}"; do
       done ;;
     kernel-long) timeout 300 python3 scripts/benchmark_kernel.py --impls fused,fused-lean --no-accuracy --warmup 200 --rep 1500 \
                    --out "$OUT/kernel_long" 2>&1 | grep -E "^(fused|floor) " ;;
+    kernel-ab)  # ≈ 90 s a run: A (this tree), B (each ab/<rev>), A again; JSON under $OUT/ab_<label>
+      ab_run() { echo "[$1] code: $2"; PYTHONPATH=/tmp/site:$2 TRL_FUSED_CPO_COMMIT=$1 timeout 150 python3 \
+                   scripts/benchmark_kernel.py --impls fused --no-accuracy --no-plots --warmup 200 --rep 1500 \
+                   --out "$OUT/ab_$1" 2>&1 | grep -E "^(fused|floor) " | sed "s/^/[$1] /"; }
+      here=${TRL_FUSED_CPO_COMMIT:-tree}
+      ab_run "$here" "$PWD"
+      for dir in ab/*/; do [ -d "$dir/trl_fused_cpo" ] && ab_run "$(basename "$dir")" "$PWD/$dir"; done
+      ab_run "$here-again" "$PWD" ;;
     e2e) timeout 560 python3 scripts/benchmark_e2e.py --model llama3.2-1b,llama3.2-3b,llama3-8b --micro-batches 2,4,8 \
            --steps 6 --curve-steps 20 --out "$OUT/e2e" 2>&1 | tail -30 ;;
     recipe)  # the Llama-3.2-1B recipe through the launcher, on a random-init checkpoint with the real shapes
