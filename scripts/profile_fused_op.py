@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
+import tempfile
 
 import torch
 import triton
@@ -31,9 +33,6 @@ def gpu_timeline(fn, name: str, batch: int, calls: int = 3) -> dict:
     The op syncs once on the host per call (the token plan), so each call starts with the GPU idle while the host
     plans and launches; the gaps say how long, and which kernel ends them.
     """
-    import os
-    import tempfile
-
     for _ in range(2):
         fn()
     torch.cuda.synchronize()

@@ -8,9 +8,10 @@ softmax-gradient read twice and wrote once. After the GEMM ``G = E·W`` (fp32), 
 ``dX = coef · (S'/S · W[target] − G/S)``: the target term ``1 − p`` comes as ``S'/S``, a sum of the other terms,
 so it does not cancel when ``p → 1``.
 
-The target logit as the shift (bf16 and fp32, whose range is fp32's; fp16 shifts by the log-sum-exp): every term near the row's max has ``z − c ≥ 0`` (no underflow), and
-``exp(z − c)`` overflows only where ``log p(target) < −64``; a segment that meets such a block rescales what it
-wrote (a rare second pass over that segment) and the combine kernel brings the row's segments to one shift.
+The target logit as the shift (bf16 and fp32, whose range is fp32's; fp16 shifts by the log-sum-exp): every term
+near the row's max has ``z − c ≥ 0`` (no underflow), and ``exp(z − c)`` overflows only where
+``log p(target) < −64``; a segment that meets such a block rescales what it wrote (a rare second pass over that
+segment) and the combine kernel brings the row's segments to one shift.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .logsumexp_kernel import BLOCK_V, NUM_WARPS, SEGMENT_COLS, logsumexp_target
+from .row_checks import check_row_pass_args
 
 SHIFT_LIMIT = 64.0  # exp(64) ≈ 6e27: Σ over 128k columns stays far from fp32's 3e38
 
@@ -126,11 +128,7 @@ def shifted_exp_(
     Returns ``(lse, target_logit, row_sum, keep, inv)``, float32 ``[C]``: ``keep = 1 − p(target)`` and
     ``inv = 1/Σ exp(z − c)``, so that ``E · inv`` is the softmax without the target column.
     """
-    if logits.dim() != 2 or logits.stride(1) != 1:
-        raise ValueError(f"logits must be a row-major [C, V] matrix; got shape {tuple(logits.shape)}")
-    rows, vocab = logits.shape
-    if targets.shape != (rows,):
-        raise ValueError(f"targets must be [{rows}]; got {tuple(targets.shape)}")
+    rows, vocab = check_row_pass_args(logits, targets=targets)
     if logits.dtype == torch.float16:
         # fp16 tops out at exp(11): shift by the log-sum-exp (a read more, as the two-pass path) so that E ≤ 1.
         shift, target_logit, _ = logsumexp_target(logits, targets)

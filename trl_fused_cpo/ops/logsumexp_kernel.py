@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .row_checks import check_row_pass_args
+
 SEGMENT_COLS, BLOCK_V, NUM_WARPS = 8192, 2048, 4  # 16 segments of a Llama-3 row; 2048 bf16 = 4 KB a load
 COMBINE_ROWS = 128
 
@@ -73,11 +75,7 @@ def _combine_kernel(part_ptr, lse_ptr, row_sum_ptr, rows, segments, ROWS: tl.con
 
 def logsumexp_target(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row log-sum-exp, target logit and sum (float32) of ``logits`` ``[C, V]`` for ``targets`` ``[C]``."""
-    if logits.dim() != 2 or logits.stride(1) != 1:
-        raise ValueError(f"logits must be a row-major [C, V] matrix; got shape {tuple(logits.shape)}")
-    rows, vocab = logits.shape
-    if targets.shape != (rows,):
-        raise ValueError(f"targets must be [{rows}]; got {tuple(targets.shape)}")
+    rows, vocab = check_row_pass_args(logits, targets=targets)
     lse = torch.empty(rows, device=logits.device, dtype=torch.float32)
     target_logit = torch.empty_like(lse)
     row_sum = torch.empty_like(lse)

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .row_checks import check_row_pass_args
+
 
 @triton.jit
 def _softmax_grad_kernel(
@@ -33,12 +35,7 @@ def _softmax_grad_kernel(
 
 def softmax_grad_(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
     """In place: ``logits`` ``[C, V]`` becomes ``coef[:, None] · (onehot(targets) − softmax(logits))``."""
-    if logits.dim() != 2 or logits.stride(1) != 1:
-        raise ValueError(f"logits must be a row-major [C, V] matrix; got shape {tuple(logits.shape)}")
-    rows, vocab = logits.shape
-    for name, t in (("lse", lse), ("targets", targets), ("coef", coef)):
-        if t.shape != (rows,):
-            raise ValueError(f"{name} must be [{rows}]; got {tuple(t.shape)}")
+    rows, vocab = check_row_pass_args(logits, lse=lse, targets=targets, coef=coef)
     if rows:
         block = 2048  # a 2-D grid (rows x vocab blocks): ~V/2048 = 63 programs per row keep every SM streaming
         grid = (rows, triton.cdiv(vocab, block))
