@@ -92,23 +92,23 @@ def cpo_pair_losses(
 
 def cpo_pair_loss_grads(
     chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, hp: CPOHyperparams, num_pairs: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``Σ losses / num_pairs`` over some pairs and its derivative w.r.t. each sequence log-prob.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-pair losses and rewards of some pairs, and the derivative of ``Σ losses / num_pairs`` w.r.t. each
+    sequence log-prob.
 
     The fused op needs ``∂L/∂s`` for the pairs of one chunk before it can write that chunk's ``dlogits``. Autograd
     over these ``[P]``-sized tensors (float64, microseconds) gives it for every loss type from the same formula the
-    forward uses, so the two can never disagree.
+    forward uses: this is the spec that the closed forms of ``ops/sequence_kernels.py`` are tested against.
 
     Returns:
-        ``(loss_sum, d_chosen [P], d_rejected [P])``, all float64.
+        ``(losses [P], chosen_rewards [P], rejected_rewards [P], d_chosen [P], d_rejected [P])``, all float64.
     """
     with torch.enable_grad():
         c = chosen_logps.detach().double().requires_grad_(True)
         r = rejected_logps.detach().double().requires_grad_(True)
-        losses, _, _ = cpo_pair_losses(c, r, hp)
-        loss_sum = losses.sum() / num_pairs
-        d_c, d_r = torch.autograd.grad(loss_sum, (c, r))
-    return loss_sum.detach(), d_c, d_r
+        losses, chosen_rewards, rejected_rewards = cpo_pair_losses(c, r, hp)
+        d_c, d_r = torch.autograd.grad(losses.sum() / num_pairs, (c, r))
+    return losses.detach(), chosen_rewards.detach(), rejected_rewards.detach(), d_c, d_r
 
 
 @dataclass

@@ -210,3 +210,59 @@ def test_frozen_grad_kernels_match_torch(dtype, spread):
     rows_triton.frozen_dx_(dx, token_index, *args)
     rows_torch.frozen_dx_(dx_r, token_index, *args)
     torch.testing.assert_close(dx, dx_r, rtol=1e-5 if dtype == torch.float32 else 1e-3, atol=1e-6)
+
+
+TAIL_OPTIONS = [
+    dict(loss_type="sigmoid"),
+    dict(loss_type="sigmoid", label_smoothing=0.2, beta=0.3),
+    dict(loss_type="hinge", beta=0.05, cpo_alpha=0.0),
+    dict(loss_type="hinge", beta=40.0),  # 1 − βu on both sides of the kink
+    dict(loss_type="ipo", beta=0.5),
+    dict(loss_type="simpo", simpo_gamma=0.8, beta=2.0, label_smoothing=0.1),
+    dict(loss_type="alphapo", alpha=0.4),
+    dict(loss_type="alphapo", alpha=1e-4, beta=3.0),  # AlphaPO's expm1 near 0
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("opts", TAIL_OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_sequence_tail_kernels_match_torch(opts, grad, dtype):
+    """pair_tail_ / finish_ (closed forms, one launch each) against the torch spec (autograd), group by group."""
+    from trl_fused_cpo.loss import CPOHyperparams
+    from trl_fused_cpo.ops import plan as plan_mod
+    from trl_fused_cpo.ops import rows_triton
+    from trl_fused_cpo.ops.sequence import SequenceStats
+
+    hp = CPOHyperparams.create(**opts)
+    g = torch.Generator().manual_seed(len(str(opts)))
+    rows, seq_len, vocab = 10, 23, 50
+    labels = torch.randint(0, vocab, (rows, seq_len), generator=g)
+    labels[torch.rand(rows, seq_len, generator=g) < 0.3] = -100
+    labels[2] = -100  # a chosen row with no label: s = 0 (TRL: NaN with mean log-probs)
+    labels = labels.to(DEVICE)
+    plan = plan_mod.plan_tokens(labels, ignore_index=-100, vocab_size=vocab, max_tokens=40)
+    assert len(plan.groups) > 1
+    n = plan.num_tokens
+    token_logp = (-3 * torch.rand(n, generator=g, dtype=torch.float64)).to(dtype).to(DEVICE)
+    token_sum = (5 * torch.randn(n, generator=g, dtype=torch.float64)).to(dtype).to(DEVICE)
+    unlabelled = torch.randn(rows, generator=g, dtype=torch.float64).to(dtype).to(DEVICE)
+    bias = torch.randn(vocab, generator=g).to(DEVICE)
+    guess = torch.tensor(0.5, dtype=dtype, device=DEVICE)
+    results = []
+    for ops in (rows_torch, rows_triton):
+        stats = SequenceStats.empty(rows, torch.device(DEVICE), dtype)
+        coef = torch.full((rows,), float("nan"), dtype=dtype, device=DEVICE) if grad else None
+        for group in plan.groups:
+            ops.pair_tail_(stats, plan, token_logp, token_sum, group, hp, coef, guess if grad else None)
+        finished = [ops.finish_(stats, plan, hp, unlabelled, b, seq_len, vocab) for b in (None, bias)]
+        results.append((stats, coef, finished))
+    (want, want_coef, want_fin), (got, got_coef, got_fin) = results
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-6, atol=1e-6)
+    for field in SequenceStats.__dataclass_fields__:
+        torch.testing.assert_close(getattr(got, field), getattr(want, field), **tol, msg=field)
+    if grad:
+        torch.testing.assert_close(got_coef, want_coef, **tol)
+    for a, b in zip(got_fin, want_fin, strict=True):
+        for x, y in zip(a, b, strict=True):  # loss, nll, then the two logit means (float32 whatever the dtype)
+            torch.testing.assert_close(x, y, **(tol if x.dtype == dtype else dict(rtol=1e-6, atol=1e-7)))

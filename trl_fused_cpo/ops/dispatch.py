@@ -7,7 +7,7 @@ from types import ModuleType
 
 import torch
 
-from ..loss import CPOHyperparams, CPOLossOutput, cpo_pair_losses
+from ..loss import CPOHyperparams, CPOLossOutput
 from . import rows_torch
 from .function import Chunks, LinearCPOFunction, Slabs
 
@@ -111,19 +111,16 @@ def linear_cpo(
     resolved = resolve_backend(backend, hidden.device)
     grad_on = torch.is_grad_enabled()
     schedule = choose_schedule(weight, chunk_bytes, memory, grad=grad_on)
-    loss, chosen_logps, rejected_logps, nll, row_means = LinearCPOFunction.apply(
-        hidden, weight, bias, labels, hp, ignore_index, schedule, row_ops(resolved), grad_on
+    loss, chosen_logps, rejected_logps, chosen_rewards, rejected_rewards, nll, chosen_mean, rejected_mean = (
+        LinearCPOFunction.apply(hidden, weight, bias, labels, hp, ignore_index, schedule, row_ops(resolved), grad_on)
     )
-    # float64: AlphaPO's exp(-alpha * s) overflows float32 at alpha * |s| > 88
-    _, chosen_rewards, rejected_rewards = cpo_pair_losses(chosen_logps.double(), rejected_logps.double(), hp)
-    num_pairs = hidden.shape[0] // 2
     return CPOLossOutput(
         loss=loss,
         chosen_logps=chosen_logps,
         rejected_logps=rejected_logps,
-        chosen_rewards=chosen_rewards.float(),
-        rejected_rewards=rejected_rewards.float(),
+        chosen_rewards=chosen_rewards,
+        rejected_rewards=rejected_rewards,
         nll_loss=nll,
-        chosen_logits_mean=row_means[:num_pairs].mean(),
-        rejected_logits_mean=row_means[num_pairs:].mean(),
+        chosen_logits_mean=chosen_mean,
+        rejected_logits_mean=rejected_mean,
     )

@@ -18,15 +18,13 @@ from types import ModuleType
 
 import torch
 
-from ..loss import CPOHyperparams, cpo_pair_loss_grads, cpo_pair_losses
+from ..loss import CPOHyperparams
 from . import gemm, grad_scale
 from .plan import first_slice_bound, lay_out_labels, plan_tokens
 from .sequence import (
     Grads,
-    finish,
-    row_coefficients,
-    row_logit_means,
-    sequence_logps,
+    SequenceStats,
+    finish_outputs,
     unlabelled_hidden_sums,
     unlabelled_logit_sums,
     warn_where_trl_gives_nan,
@@ -49,16 +47,16 @@ def linear_cpo_forward(
     """Loss, sequence log-probs, NLL and (where ``need_grads``) the gradients of hidden, weight and bias.
 
     Args:
-        rows: ``rows_torch`` or ``rows_triton``: the row passes (``logsumexp_target``, ``softmax_grad_``) and the
-            plan's label ops (``label_counts``, ``compact_labels``).
+        rows: ``rows_torch`` or ``rows_triton``: the row passes (``logsumexp_target``, ``softmax_grad_``), the
+            plan's label ops (``label_counts``, ``compact_labels``) and the per-sequence tail (``pair_tail_``,
+            ``finish_``).
         need_grads: whether hidden, weight, bias need a gradient.
 
     Returns:
-        ``(loss, chosen_logps [B], rejected_logps [B], nll, row_logit_means [2B], grads, guess)``, the gradients
-        computed for an incoming gradient of ``guess`` (``grad_scale.py``; ``None`` without gradients).
+        ``(outputs, grads, guess)``: ``outputs`` as ``LinearCPOFunction`` returns them, the gradients computed for
+        an incoming gradient of ``guess`` (``grad_scale.py``; ``None`` without gradients).
     """
     num_rows, seq_len, hidden_size = hidden.shape
-    num_pairs = num_rows // 2
     vocab = weight.shape[0]
     device = hidden.device
     need_dx, need_dw, need_db = need_grads
@@ -89,13 +87,14 @@ def linear_cpo_forward(
     token_logp = torch.empty(plan.num_tokens, device=device, dtype=acc_dtype)
     token_sum = torch.empty(plan.num_tokens, device=device, dtype=acc_dtype)  # each labelled row's logit sum
     unlabelled_sum = None
+    stats = SequenceStats.empty(num_rows, device, acc_dtype)
     guess = grad_scale.guess(device, acc_dtype) if any_grad else None
+    row_coef = torch.empty(num_rows, device=device, dtype=acc_dtype) if any_grad else None  # ∂L/∂log p_t per row
     # One GEMM over every token (a single chunk) rounds dW once, as torch does: write it in the weight dtype.
     # Several chunks accumulate in fp32, and the backward casts and scales in one pass (backward_scale_kernels).
     single_gemm = len(plan.groups) == 1 and len(plan.groups[0].slices(max_tokens)) == 1
     dx = dw = db = None  # allocated once the first GEMM is queued: until then the GPU waits on the host
     dw_written = False
-    loss = None  # float64, summed over the groups (a Python accumulator: one launch fewer before the first GEMM)
 
     # A frozen head: dX = coef · (onehot − softmax)·W with one scalar coefficient per row, so each slice's logits
     # become unnormalised exponentials in one pass and go through the dX product at once, into fp32; the
@@ -139,18 +138,9 @@ def linear_cpo_forward(
             token_logp[s:e] = target_logit - lse
             lses.append(lse)
             del logits
-        chosen_s, rejected_s, divisor = sequence_logps(
-            plan, token_logp, group.pair_start, group.pair_end, group.tok_start, group.tok_end, hp
-        )
+        rows.pair_tail_(stats, plan, token_logp, token_sum, group, hp, row_coef, guess)
         if not any_grad:
-            group_loss = cpo_pair_losses(chosen_s.double(), rejected_s.double(), hp)[0].sum() / num_pairs
-            loss = group_loss if loss is None else loss + group_loss
             continue
-        group_loss, d_chosen, d_rejected = cpo_pair_loss_grads(chosen_s, rejected_s, hp, num_pairs)
-        loss = group_loss if loss is None else loss + group_loss
-        row_coef = row_coefficients(
-            plan, (group.pair_start, group.pair_end), d_chosen, d_rejected, divisor, hp, acc_dtype, guess
-        )
         if dx is None and need_dx:
             dx = torch.zeros_like(x_all)
         if dw is None and need_dw:
@@ -191,14 +181,13 @@ def linear_cpo_forward(
     if unlabelled_sum is None:  # no labelled token at all: no chunk GEMM carried the extra rows
         unlabelled_hidden = unlabelled_hidden_sums(hidden.detach(), labels, ignore_index)
         unlabelled_sum = unlabelled_logit_sums(unlabelled_hidden, weight, bias, acc_dtype)
-    row_means = row_logit_means(plan, token_sum, unlabelled_sum, bias, seq_len, vocab)
-    loss, chosen_logps, rejected_logps, nll = finish(plan, hp, token_logp, loss, acc_dtype)
+    outputs = finish_outputs(rows, stats, plan, hp, unlabelled_sum, bias, seq_len, vocab)
     grads = Grads(
         hidden=None if dx is None else dx.view_as(hidden),
         weight=None if dw is None else (dw if dw_written else torch.zeros_like(weight)),
         bias=db,
     )
-    return loss, chosen_logps, rejected_logps, nll, row_means, grads, guess
+    return outputs, grads, guess
 
 
 @dataclass(frozen=True)
@@ -228,11 +217,11 @@ class LinearCPOFunction(torch.autograd.Function):
         if isinstance(schedule, Slabs):
             from .lean import linear_cpo_forward_lean
 
-            outputs = linear_cpo_forward_lean(
+            results = linear_cpo_forward_lean(
                 hidden, weight, bias, labels, hp, slab_bytes=schedule.slab_bytes, **common
             )
         else:
-            outputs = linear_cpo_forward(
+            results = linear_cpo_forward(
                 hidden,
                 weight,
                 bias,
@@ -242,16 +231,16 @@ class LinearCPOFunction(torch.autograd.Function):
                 whole_batch_tokens=schedule.whole_batch_tokens,
                 **common,
             )
-        loss, chosen_logps, rejected_logps, nll, row_means, grads, guess = outputs
+        outputs, grads, guess = results
         # Kept on ctx, not save_for_backward: they are outputs of this op, corrected in place in the backward.
         ctx.grads = grads
         ctx.guess = guess
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        ctx.mark_non_differentiable(chosen_logps, rejected_logps, nll, row_means)
-        return loss, chosen_logps, rejected_logps, nll, row_means
+        ctx.mark_non_differentiable(*outputs[1:])
+        return outputs
 
     @staticmethod
-    def backward(ctx, grad_loss, _chosen, _rejected, _nll, _means):
+    def backward(ctx, grad_loss, *_metrics):
         grads = ctx.grads
         if grads is None:
             raise RuntimeError("fused_linear_cpo_loss: backward ran twice through one forward; run the forward again.")

@@ -15,18 +15,10 @@ from types import ModuleType
 
 import torch
 
-from ..loss import CPOHyperparams, cpo_pair_loss_grads, cpo_pair_losses
+from ..loss import CPOHyperparams
 from . import gemm, grad_scale
 from .plan import plan_tokens
-from .sequence import (
-    Grads,
-    finish,
-    row_coefficients,
-    row_logit_means,
-    sequence_logps,
-    unlabelled_hidden_sums,
-    warn_where_trl_gives_nan,
-)
+from .sequence import Grads, SequenceStats, finish_outputs, unlabelled_hidden_sums, warn_where_trl_gives_nan
 
 SLAB_ALIGN = 128  # vocabulary columns per slab: a multiple of the GEMM tile
 
@@ -51,7 +43,6 @@ def linear_cpo_forward_lean(
 ):
     """``function.linear_cpo_forward``'s contract (same arguments but the budget, same returns), in slabs."""
     num_rows, seq_len, hidden_size = hidden.shape
-    num_pairs = num_rows // 2
     vocab = weight.shape[0]
     device = hidden.device
     need_dx, need_dw, need_db = need_grads
@@ -83,17 +74,17 @@ def linear_cpo_forward_lean(
         unlabelled_sum += logits[n:].sum(-1, dtype=acc_dtype)
         del logits
     token_logp = (target_logit - lse).to(acc_dtype)
-    row_means = row_logit_means(plan, token_sum, unlabelled_sum, bias, seq_len, vocab)
-    chosen_s, rejected_s, divisor = sequence_logps(plan, token_logp, 0, num_pairs, 0, n, hp)
     warn_where_trl_gives_nan(plan.row_counts_host, hp)
+    (everything,) = plan.groups  # one group: the budget is every position
+    stats = SequenceStats.empty(num_rows, device, acc_dtype)
 
     grads, guess = Grads(None, None, None), None
     if not any_grad:
-        pair_loss = cpo_pair_losses(chosen_s.double(), rejected_s.double(), hp)[0].sum() / num_pairs
+        rows.pair_tail_(stats, plan, token_logp, token_sum, everything, hp)
     else:
         guess = grad_scale.guess(device, acc_dtype)
-        pair_loss, d_chosen, d_rejected = cpo_pair_loss_grads(chosen_s, rejected_s, hp, num_pairs)
-        row_coef = row_coefficients(plan, (0, num_pairs), d_chosen, d_rejected, divisor, hp, acc_dtype, guess)
+        row_coef = torch.empty(num_rows, device=device, dtype=acc_dtype)
+        rows.pair_tail_(stats, plan, token_logp, token_sum, everything, hp, row_coef, guess)
         grads = _slab_gradients(
             x[:n], weight, plan, slabs, slab_logits, lse, row_coef[plan.token_row], rows, need_grads
         )
@@ -101,8 +92,7 @@ def linear_cpo_forward_lean(
             dx = torch.zeros_like(x_all)
             dx.index_copy_(0, plan.token_index, grads.hidden.to(hidden.dtype))
             grads.hidden = dx.view_as(hidden)
-    loss, chosen_logps, rejected_logps, nll = finish(plan, hp, token_logp, pair_loss, acc_dtype)
-    return loss, chosen_logps, rejected_logps, nll, row_means, grads, guess
+    return finish_outputs(rows, stats, plan, hp, unlabelled_sum, bias, seq_len, vocab), grads, guess
 
 
 def _slab_gradients(x, weight, plan, slabs, slab_logits, lse, coef, rows, need_grads) -> Grads:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from .sequence import finish_, pair_tail_  # noqa: F401  (the per-sequence tail: torch is its spec too)
+
 
 def logsumexp_target(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row log-sum-exp, target logit and sum, float32 (float64 for float64 logits).

@@ -1,15 +1,26 @@
-"""Per-sequence math both schedules share: log-probs, per-token coefficients, metrics, the final outputs."""
+"""Per-sequence math both schedules share: log-probs, losses, per-row coefficients, metrics, the final outputs.
+
+After a chunk group's log-probs are known, ``pair_tail_`` turns them into its pairs' sequence log-probs, losses,
+rewards and the per-row coefficients ``∂L/∂log p_t`` its gradients need; ``finish_`` reduces the per-pair results
+to the outputs once every group is done. Both write into ``SequenceStats``, device buffers filled group by group.
+The torch versions here are the spec (and the CPU backend); ``sequence_kernels.py`` does each in one Triton launch,
+where torch takes about forty small ones per group (≈ 2-3 µs of GPU time each, 3-5% of an eval call at B = 2).
+"""
 
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..loss import CPOHyperparams
+from ..loss import CPOHyperparams, cpo_pair_loss_grads, cpo_pair_losses
 from .gemm import logits
-from .plan import TokenPlan
+
+if TYPE_CHECKING:  # plan.py imports the row ops, which import this module
+    from .plan import ChunkGroup, TokenPlan
 
 
 @dataclass
@@ -25,40 +36,129 @@ def unlabelled_hidden_sums(hidden: torch.Tensor, labels: torch.Tensor, ignore_in
     return torch.bmm(unlabelled[:, None, :], hidden).squeeze(1)  # one read of hidden, fp32 accumulation
 
 
-def row_logit_means(
+@dataclass
+class SequenceStats:
+    """Per-pair and per-row results of one call, written by ``pair_tail_`` group by group.
+
+    Attributes:
+        chosen_logps / rejected_logps: ``[P]`` sequence log-probs (sum, or mean for ipo/simpo), accumulator dtype.
+        chosen_rewards / rejected_rewards: ``[P]`` float32, ``β·s`` (``β·r`` with AlphaPO).
+        pair_losses: ``[P]`` float64, each pair's loss (not yet divided by ``P``).
+        row_logp_sums: ``[2B]`` float64, each row's summed token log-probs (the chosen half gives the NLL).
+        row_logit_sums: ``[2B]`` float64, each row's logits summed over its labelled positions and the vocabulary.
+    """
+
+    chosen_logps: torch.Tensor
+    rejected_logps: torch.Tensor
+    chosen_rewards: torch.Tensor
+    rejected_rewards: torch.Tensor
+    pair_losses: torch.Tensor
+    row_logp_sums: torch.Tensor
+    row_logit_sums: torch.Tensor
+
+    @classmethod
+    def empty(cls, num_rows: int, device: torch.device, dtype: torch.dtype) -> SequenceStats:
+        pairs = num_rows // 2
+        f64, f32 = torch.float64, torch.float32
+        return cls(
+            *(torch.empty(pairs, device=device, dtype=d) for d in (dtype, dtype, f32, f32, f64)),
+            *(torch.empty(num_rows, device=device, dtype=f64) for _ in range(2)),
+        )
+
+
+def pair_tail_(
+    stats: SequenceStats,
     plan: TokenPlan,
+    token_logp: torch.Tensor,
     token_sum: torch.Tensor,
+    group: ChunkGroup,
+    hp: CPOHyperparams,
+    row_coef: torch.Tensor | None = None,
+    guess: torch.Tensor | None = None,
+) -> None:
+    """Fill ``stats`` for the pairs of ``group`` from its tokens' log-probs and logit sums.
+
+    With ``row_coef`` (``[2B]``, the accumulator dtype): also write the group's rows of ``∂L/∂log p_t``, the pair
+    term (over the length for mean-type log-probs) plus the NLL term, times the incoming-gradient guess. Rows of
+    other groups are left as they are.
+    """
+    num_rows = plan.row_counts.numel()
+    num_pairs = num_rows // 2
+    span = slice(group.tok_start, group.tok_end)
+    # float64 sums: at T = 32k a float32 sum of ~-80,000 loses the difference s_c - s_r to 1e-3 (tests/edge cases)
+    sums = torch.zeros(2, num_rows, device=token_logp.device, dtype=torch.float64)
+    sums[0].index_add_(0, plan.token_row[span], token_logp[span].double())
+    sums[1].index_add_(0, plan.token_row[span], token_sum[span].double())
+    pairs = slice(group.pair_start, group.pair_end)
+    rejected_rows = slice(num_pairs + group.pair_start, num_pairs + group.pair_end)
+    for rows in (pairs, rejected_rows):
+        stats.row_logp_sums[rows] = sums[0, rows]
+        stats.row_logit_sums[rows] = sums[1, rows]
+    counts = plan.row_counts.double()
+    # TRL divides 0/0 on an empty completion (NaN); a sequence with no labelled token has s = 0 here instead.
+    divisor = counts.clamp(min=1) if hp.average_log_prob else torch.ones_like(counts)
+    s = sums[0] / divisor
+    chosen, rejected = s[pairs], s[rejected_rows]
+    stats.chosen_logps[pairs] = chosen
+    stats.rejected_logps[pairs] = rejected
+    if row_coef is None:
+        losses, chosen_r, rejected_r = cpo_pair_losses(chosen, rejected, hp)
+    else:
+        losses, chosen_r, rejected_r, d_chosen, d_rejected = cpo_pair_loss_grads(chosen, rejected, hp, num_pairs)
+        d_chosen = d_chosen / divisor[pairs]
+        if hp.cpo_alpha != 0 and plan.num_chosen_tokens:
+            d_chosen = d_chosen - hp.cpo_alpha / plan.num_chosen_tokens
+        row_coef[pairs] = d_chosen.to(row_coef.dtype) * guess
+        row_coef[rejected_rows] = (d_rejected / divisor[rejected_rows]).to(row_coef.dtype) * guess
+    stats.pair_losses[pairs] = losses
+    stats.chosen_rewards[pairs] = chosen_r.float()
+    stats.rejected_rewards[pairs] = rejected_r.float()
+
+
+def finish_(
+    stats: SequenceStats,
+    plan: TokenPlan,
+    hp: CPOHyperparams,
     unlabelled_sum: torch.Tensor,
     bias: torch.Tensor | None,
     seq_len: int,
     vocab: int,
-) -> torch.Tensor:
-    """``[2B]`` float32: each row's mean logit over its T positions and the vocabulary."""
-    rows = plan.row_counts.numel()
-    total = torch.zeros(rows, device=token_sum.device, dtype=torch.float64)
-    total.index_add_(0, plan.token_row, token_sum.double())
-    total += unlabelled_sum.double()
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, nll, chosen_logits_mean, rejected_logits_mean)`` once every group has written ``stats``.
+
+    ``unlabelled_sum`` ``[2B]``: each row's logits summed over its unlabelled positions (``function.py``). The
+    means are TRL's ``logits.mean()`` of each half: every position, every vocabulary column.
+    """
+    num_pairs = plan.row_counts.numel() // 2
+    dtype = stats.chosen_logps.dtype
+    num_chosen = plan.num_chosen_tokens
+    if hp.cpo_alpha != 0 and num_chosen:
+        nll = (-stats.row_logp_sums[:num_pairs].sum() / num_chosen).to(dtype)
+    else:
+        nll = torch.zeros((), device=stats.pair_losses.device, dtype=dtype)
+    loss = (stats.pair_losses.sum() / num_pairs).to(dtype) + hp.cpo_alpha * nll
+    total = stats.row_logit_sums + unlabelled_sum.double()
     if bias is not None:  # an extra row's logits carry the bias once; its positions carry it once each
         total += (seq_len - plan.row_counts - 1).double() * bias.detach().sum(dtype=torch.float64)
-    return (total / (seq_len * vocab)).float()
+    means = (total / (seq_len * vocab)).float()
+    return loss, nll, means[:num_pairs].mean(), means[num_pairs:].mean()
 
 
-def sequence_logps(
-    plan: TokenPlan, token_logp: torch.Tensor, pair_start: int, pair_end: int, tok_start: int, tok_end: int, hp
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sequence log-probs of pairs ``[pair_start, pair_end)`` and the per-row divisor (1, or the token count)."""
-    rows = plan.row_counts.numel()
-    num_pairs = rows // 2
-    # float64 sums: at T = 32k a float32 sum of ~-80,000 loses the difference s_c - s_r to 1e-3 (tests/edge cases)
-    sums = torch.zeros(rows, device=token_logp.device, dtype=torch.float64)
-    sums.index_add_(0, plan.token_row[tok_start:tok_end], token_logp[tok_start:tok_end].double())
-    counts = plan.row_counts.double()
-    # TRL divides 0/0 on an empty completion (NaN); a sequence with no labelled token has s = 0 here instead.
-    divisor = counts.clamp(min=1) if hp.average_log_prob else torch.ones_like(counts)
-    s = sums / divisor
-    chosen = slice(pair_start, pair_end)
-    rejected = slice(num_pairs + pair_start, num_pairs + pair_end)
-    return s[chosen], s[rejected], divisor
+def finish_outputs(
+    rows: ModuleType,
+    stats: SequenceStats,
+    plan: TokenPlan,
+    hp: CPOHyperparams,
+    unlabelled_sum: torch.Tensor,
+    bias: torch.Tensor | None,
+    seq_len: int,
+    vocab: int,
+) -> tuple[torch.Tensor, ...]:
+    """``LinearCPOFunction``'s outputs, ``rows.finish_`` applied: ``(loss, chosen_logps, rejected_logps,
+    chosen_rewards, rejected_rewards, nll, chosen_logits_mean, rejected_logits_mean)``."""
+    loss, nll, chosen_mean, rejected_mean = rows.finish_(stats, plan, hp, unlabelled_sum, bias, seq_len, vocab)
+    per_pair = (stats.chosen_logps, stats.rejected_logps, stats.chosen_rewards, stats.rejected_rewards)
+    return (loss, *per_pair, nll, chosen_mean, rejected_mean)
 
 
 def warn_where_trl_gives_nan(row_counts: list[int], hp: CPOHyperparams) -> None:
@@ -72,52 +172,6 @@ def warn_where_trl_gives_nan(row_counts: list[int], hp: CPOHyperparams) -> None:
         )
     if hp.cpo_alpha != 0 and sum(row_counts[: len(row_counts) // 2]) == 0:
         warnings.warn("no chosen row has a labelled token: nll_loss is 0 (TRL's CPOTrainer gives NaN).", stacklevel=4)
-
-
-def row_coefficients(
-    plan: TokenPlan,
-    pairs: tuple[int, int],
-    d_chosen: torch.Tensor,
-    d_rejected: torch.Tensor,
-    divisor: torch.Tensor,
-    hp: CPOHyperparams,
-    dtype: torch.dtype,
-    guess: torch.Tensor,
-) -> torch.Tensor:
-    """``[2B]`` per-row ``∂L/∂log p_t`` for pairs ``[start, end)``: the pair term (over the length for mean-type
-    log-probs) plus the NLL term, times the incoming-gradient guess."""
-    num_rows = plan.row_counts.numel()
-    num_pairs = num_rows // 2
-    start, end = pairs
-    num_chosen = plan.num_chosen_tokens
-    coef = torch.zeros(num_rows, device=d_chosen.device, dtype=torch.float64)
-    coef[start:end] = d_chosen
-    coef[num_pairs + start : num_pairs + end] = d_rejected
-    coef /= divisor.to(coef.dtype)
-    if hp.cpo_alpha != 0 and num_chosen:
-        coef[:num_pairs] -= hp.cpo_alpha / num_chosen
-    return coef.to(dtype) * guess
-
-
-def finish(
-    plan: TokenPlan,
-    hp: CPOHyperparams,
-    token_logp: torch.Tensor,
-    pair_loss: torch.Tensor | None,
-    dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(loss, chosen_logps, rejected_logps, nll)`` from the token log-probs and the summed pair loss."""
-    num_pairs = plan.row_counts.numel() // 2
-    device = token_logp.device
-    chosen_logps, rejected_logps, _ = sequence_logps(plan, token_logp, 0, num_pairs, 0, plan.num_tokens, hp)
-    num_chosen = plan.num_chosen_tokens
-    if hp.cpo_alpha != 0 and num_chosen:
-        chosen_tokens = plan.token_row < num_pairs
-        nll = (-(token_logp.double() * chosen_tokens).sum() / num_chosen).to(dtype)
-    else:
-        nll = torch.zeros((), device=device, dtype=dtype)
-    loss = (torch.zeros((), device=device) if pair_loss is None else pair_loss).to(dtype) + hp.cpo_alpha * nll
-    return loss, chosen_logps.to(dtype), rejected_logps.to(dtype), nll
 
 
 def unlabelled_logit_sums(
