@@ -47,6 +47,7 @@ def sweep_rows(rows: int, vocab: int) -> list[dict]:
     logits = (torch.randn(rows, vocab, device="cuda") * 2).to(torch.bfloat16)
     targets = torch.randint(0, vocab, (rows,), device="cuda")
     scratch = torch.empty_like(logits)
+    outs = torch.empty(4, rows, device="cuda")  # token log-prob, row sum, keep, inv
     nbytes = logits.numel() * logits.element_size()
     copy_ms = bench(lambda: scratch.copy_(logits))
     print(f"rows {rows}: copy {copy_ms:.3f} ms = {2 * nbytes / copy_ms / 1e9:.2f} TB/s")
@@ -54,7 +55,7 @@ def sweep_rows(rows: int, vocab: int) -> list[dict]:
     for config in CONFIGS:
         use(config)
         lse_ms = bench(lambda: logsumexp_kernel.logsumexp_target(logits, targets))
-        exp_ms = bench(lambda: frozen_grad_kernels.shifted_exp_(scratch.copy_(logits), targets)) - copy_ms
+        exp_ms = bench(lambda: frozen_grad_kernels.shifted_exp_(scratch.copy_(logits), targets, *outs)) - copy_ms
         row = {"rows": rows, "segment": config[0], "block": config[1], "warps": config[2]}
         row |= {"lse_ms": lse_ms, "lse_tbs": nbytes / lse_ms / 1e9, "exp_ms": exp_ms}
         row["exp_tbs"] = 2 * nbytes / exp_ms / 1e9

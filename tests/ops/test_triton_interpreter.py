@@ -191,11 +191,15 @@ def test_frozen_grad_kernels_match_torch(dtype, spread):
     logits = logits.to(dtype).to(DEVICE)
     targets = targets.to(DEVICE)
     got, want = logits.clone(), logits.clone()
-    lse, tgt, row_sum, keep, inv = rows_triton.shifted_exp_(got, targets)
-    lse_r, tgt_r, row_sum_r, keep_r, inv_r = rows_torch.shifted_exp_(want, targets)
-    torch.testing.assert_close(lse, lse_r, rtol=1e-6, atol=1e-5)
-    torch.testing.assert_close(tgt, tgt_r)
+    # Into views of larger per-token buffers, as function.py passes them (nothing else in them may change).
+    bufs, bufs_r = (torch.full((4, rows + 3), 7.0, device=DEVICE) for _ in range(2))
+    rows_triton.shifted_exp_(got, targets, *bufs[:, 1 : rows + 1])
+    rows_torch.shifted_exp_(want, targets, *bufs_r[:, 1 : rows + 1])
+    assert bool((bufs[:, 0] == 7).all() and (bufs[:, rows + 1 :] == 7).all())
+    (logp, row_sum, keep, inv), (logp_r, row_sum_r, keep_r, inv_r) = bufs[:, 1 : rows + 1], bufs_r[:, 1 : rows + 1]
+    torch.testing.assert_close(logp, logp_r, rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(row_sum, row_sum_r, rtol=1e-5, atol=1e-2)
+    assert bool((got[torch.arange(rows), targets.cpu()] == 0).all())  # E's target column
     torch.testing.assert_close(keep, keep_r, rtol=1e-5, atol=1e-7)
     rtol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got.float() * inv[:, None], want.float() * inv_r[:, None], rtol=rtol, atol=1e-7)
@@ -210,6 +214,26 @@ def test_frozen_grad_kernels_match_torch(dtype, spread):
     rows_triton.frozen_dx_(dx, token_index, *args)
     rows_torch.frozen_dx_(dx_r, token_index, *args)
     torch.testing.assert_close(dx, dx_r, rtol=1e-5 if dtype == torch.float32 else 1e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_token_logps_kernel_writes_into_the_callers_buffers(dtype):
+    from trl_fused_cpo.ops import rows_triton
+
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(5, 9000, generator=g) * 2).to(dtype).to(DEVICE)
+    targets = torch.randint(0, 9000, (5,), generator=g).to(DEVICE)
+    results = []
+    for ops in (rows_triton, rows_torch):
+        buf = torch.full((2, 8), 7.0, device=DEVICE)
+        lse = ops.token_logps_(logits, targets, buf[0, 2:7], buf[1, 2:7])
+        results.append((lse, buf))
+    (lse, buf), (lse_r, buf_r) = results
+    torch.testing.assert_close(lse, lse_r, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(buf, buf_r, rtol=1e-5, atol=1e-2)
+    assert bool((buf[:, :2] == 7).all() and (buf[:, 7:] == 7).all())
+    with pytest.raises(ValueError, match="contiguous"):
+        rows_triton.token_logps_(logits, targets, torch.empty(10, device=DEVICE)[::2], buf[1, 2:7])
 
 
 TAIL_OPTIONS = [

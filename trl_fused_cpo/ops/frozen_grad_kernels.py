@@ -38,6 +38,7 @@ def _shifted_exp_kernel(
     LIMIT: tl.constexpr,
     SEGMENT: tl.constexpr,
     BLOCK: tl.constexpr,
+    SHIFT_IS_TARGET: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     seg = tl.program_id(1)
@@ -45,7 +46,10 @@ def _shifted_exp_kernel(
     start = seg * SEGMENT
     offsets = tl.arange(0, BLOCK)
     target = tl.load(targets_ptr + row)
-    c = tl.load(shift_ptr + row)
+    if SHIFT_IS_TARGET:  # the raw target logit: no program of this kernel writes that column (the combine zeroes it)
+        c = tl.load(row_ptr + target).to(tl.float32)
+    else:
+        c = tl.load(shift_ptr + row)
     s = 0.0
     s_other = 0.0
     total = 0.0
@@ -58,7 +62,8 @@ def _shifted_exp_kernel(
             for prev in tl.range(0, off, BLOCK):
                 pcols = start + prev + offsets
                 e = tl.load(row_ptr + pcols, mask=pcols < V, other=0.0).to(tl.float32)
-                tl.store(row_ptr + pcols, (e * factor).to(logits_ptr.dtype.element_ty), mask=pcols < V)
+                keep = (pcols < V) & (pcols != target)
+                tl.store(row_ptr + pcols, (e * factor).to(logits_ptr.dtype.element_ty), mask=keep)
             s *= factor
             s_other *= factor
             c = block_max
@@ -67,7 +72,7 @@ def _shifted_exp_kernel(
         s += tl.sum(e, axis=0)
         s_other += tl.sum(e_other, axis=0)
         total += tl.sum(tl.where(cols < V, x, 0.0), axis=0)
-        tl.store(row_ptr + cols, e_other.to(logits_ptr.dtype.element_ty), mask=cols < V)
+        tl.store(row_ptr + cols, e.to(logits_ptr.dtype.element_ty), mask=(cols < V) & (cols != target))
     part = seg.to(tl.int64) * rows + row
     plane = tl.num_programs(1) * rows
     tl.store(part_ptr + part, c)
@@ -79,8 +84,10 @@ def _shifted_exp_kernel(
 @triton.jit
 def _shifted_exp_combine_kernel(
     logits_ptr,
+    targets_ptr,
     part_ptr,
-    lse_ptr,
+    target_logit_ptr,
+    logp_ptr,
     row_sum_ptr,
     keep_ptr,
     inv_ptr,
@@ -91,8 +98,15 @@ def _shifted_exp_combine_kernel(
     SEGMENT: tl.constexpr,
     SEGMENTS: tl.constexpr,
     BLOCK: tl.constexpr,
+    SHIFT_IS_TARGET: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_row
+    target = tl.load(targets_ptr + row)
+    if SHIFT_IS_TARGET:  # still raw in the row: read it before the rescale below and the zeroing at the end
+        target_logit = tl.load(row_ptr + target).to(tl.float32)
+    else:
+        target_logit = tl.load(target_logit_ptr + row)
     g = tl.arange(0, SEGMENTS)
     in_seg = g < segments
     offs = g.to(tl.int64) * rows + row
@@ -104,7 +118,6 @@ def _shifted_exp_combine_kernel(
     s_other = tl.sum(tl.load(part_ptr + 2 * plane + offs, mask=in_seg, other=0.0) * scale, axis=0)
     total = tl.sum(tl.load(part_ptr + 3 * plane + offs, mask=in_seg, other=0.0), axis=0)
     if tl.min(tl.where(in_seg, shift, c), axis=0) != c:  # rare: segments on different shifts, bring them to c
-        row_ptr = logits_ptr + row * stride_row
         offsets = tl.arange(0, BLOCK)
         for k in range(segments):
             seg_shift = tl.load(part_ptr + k * rows + row)
@@ -114,41 +127,52 @@ def _shifted_exp_combine_kernel(
                     cols = k * SEGMENT + off + offsets
                     e = tl.load(row_ptr + cols, mask=cols < V, other=0.0).to(tl.float32)
                     tl.store(row_ptr + cols, (e * factor).to(logits_ptr.dtype.element_ty), mask=cols < V)
-    tl.store(lse_ptr + row, c + tl.log(s))
-    tl.store(row_sum_ptr + row, total)
-    tl.store(keep_ptr + row, s_other / s)
-    tl.store(inv_ptr + row, 1.0 / s)
+    tl.store(row_ptr + target, 0.0)  # E's target column is 0
+    tl.store(logp_ptr + row, (target_logit - (c + tl.log(s))).to(logp_ptr.dtype.element_ty))
+    tl.store(row_sum_ptr + row, total.to(row_sum_ptr.dtype.element_ty))
+    tl.store(keep_ptr + row, (s_other / s).to(keep_ptr.dtype.element_ty))
+    tl.store(inv_ptr + row, (1.0 / s).to(inv_ptr.dtype.element_ty))
 
 
 def shifted_exp_(
-    logits: torch.Tensor, targets: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    token_logp: torch.Tensor,
+    row_sum: torch.Tensor,
+    keep: torch.Tensor,
+    inv: torch.Tensor,
+) -> None:
     """In place: ``logits`` ``[C, V]`` becomes ``E = exp(z − c)`` with each row's target column 0.
 
-    Returns ``(lse, target_logit, row_sum, keep, inv)``, float32 ``[C]``: ``keep = 1 − p(target)`` and
-    ``inv = 1/Σ exp(z − c)``, so that ``E · inv`` is the softmax without the target column.
+    Writes, into the caller's ``[C]`` buffers: ``token_logp`` (target − log-sum-exp), ``row_sum``,
+    ``keep = 1 − p(target)`` and ``inv = 1/Σ exp(z − c)``, so that ``E · inv`` is the softmax without the target
+    column.
     """
-    rows, vocab = check_row_pass_args(logits, targets=targets)
-    if logits.dtype == torch.float16:
-        # fp16 tops out at exp(11): shift by the log-sum-exp (a read more, as the two-pass path) so that E ≤ 1.
+    rows, vocab = check_row_pass_args(
+        logits, targets=targets, token_logp=token_logp, row_sum=row_sum, keep=keep, inv=inv
+    )
+    if not all(t.is_contiguous() for t in (token_logp, row_sum, keep, inv)):
+        raise ValueError("shifted_exp_ writes into contiguous per-row buffers")
+    if not rows:
+        return
+    # bf16 and fp32 have fp32's range: the target logit is a shift known without a pass, read in the kernel. fp16
+    # tops out at exp(11): shift by the log-sum-exp (a read more, as the two-pass path) so that E ≤ 1.
+    from_target = logits.dtype != torch.float16
+    shift = target_logit = row_sum  # placeholders, unread when the shift is the target logit
+    if not from_target:
         shift, target_logit, _ = logsumexp_target(logits, targets)
-    else:  # bf16 and fp32 have fp32's range: the target logit is a shift known without a pass
-        target_logit = logits.gather(1, targets[:, None])[:, 0].float()  # read before the pass zeroes the column
-        shift = target_logit
-    lse, row_sum, keep, inv = (torch.empty_like(target_logit) for _ in range(4))
-    if rows:
-        segments = triton.cdiv(vocab, SEGMENT_COLS)
-        part = torch.empty(4, segments, rows, device=logits.device, dtype=torch.float32)
-        block = min(BLOCK_V, SEGMENT_COLS)
-        _shifted_exp_kernel[(rows, segments)](
-            logits, targets, shift, part, rows, vocab, logits.stride(0),
-            LIMIT=SHIFT_LIMIT, SEGMENT=SEGMENT_COLS, BLOCK=block, num_warps=NUM_WARPS,
-        )  # fmt: skip
-        _shifted_exp_combine_kernel[(rows,)](
-            logits, part, lse, row_sum, keep, inv, rows, segments, vocab, logits.stride(0),
-            SEGMENT=SEGMENT_COLS, SEGMENTS=triton.next_power_of_2(segments), BLOCK=block, num_warps=1,
-        )  # fmt: skip
-    return lse, target_logit, row_sum, keep, inv
+    segments = triton.cdiv(vocab, SEGMENT_COLS)
+    part = torch.empty(4, segments, rows, device=logits.device, dtype=torch.float32)
+    block = min(BLOCK_V, SEGMENT_COLS)
+    _shifted_exp_kernel[(rows, segments)](
+        logits, targets, shift, part, rows, vocab, logits.stride(0),
+        LIMIT=SHIFT_LIMIT, SEGMENT=SEGMENT_COLS, BLOCK=block, SHIFT_IS_TARGET=from_target, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    _shifted_exp_combine_kernel[(rows,)](
+        logits, targets, part, target_logit, token_logp, row_sum, keep, inv, rows, segments, vocab,
+        logits.stride(0), SEGMENT=SEGMENT_COLS, SEGMENTS=triton.next_power_of_2(segments), BLOCK=block,
+        SHIFT_IS_TARGET=from_target, num_warps=1,
+    )  # fmt: skip
 
 
 @triton.jit

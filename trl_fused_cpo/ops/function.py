@@ -127,16 +127,14 @@ def linear_cpo_forward(
                 x = x_all.index_select(0, plan.token_index[s:e])
                 logits = gemm.logits(x, weight, bias)
             if frozen:
-                lse, target_logit, token_sum[s:e], token_keep[s:e], token_inv[s:e] = rows.shifted_exp_(
-                    logits, plan.targets[s:e]
+                rows.shifted_exp_(
+                    logits, plan.targets[s:e], token_logp[s:e], token_sum[s:e], token_keep[s:e], token_inv[s:e]
                 )
                 gemm.mm_into(products[s - group.tok_start : e - group.tok_start], logits, weight)
             else:
-                lse, target_logit, token_sum[s:e] = rows.logsumexp_target(logits, plan.targets[s:e])
+                lses.append(rows.token_logps_(logits, plan.targets[s:e], token_logp[s:e], token_sum[s:e]))
                 if len(slices) == 1 and any_grad:
                     kept = (x, logits)
-            token_logp[s:e] = target_logit - lse
-            lses.append(lse)
             del logits
         rows.pair_tail_(stats, plan, token_logp, token_sum, group, hp, row_coef, guess)
         if not any_grad:

@@ -58,7 +58,18 @@ def _segment_stats_kernel(
 
 
 @triton.jit
-def _combine_kernel(part_ptr, lse_ptr, row_sum_ptr, rows, segments, ROWS: tl.constexpr, SEGMENTS: tl.constexpr):
+def _combine_kernel(
+    part_ptr,
+    lse_ptr,
+    row_sum_ptr,
+    target_logit_ptr,
+    logp_ptr,
+    rows,
+    segments,
+    ROWS: tl.constexpr,
+    SEGMENTS: tl.constexpr,
+    WRITE_LOGP: tl.constexpr,
+):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     g = tl.arange(0, SEGMENTS)
     offs = g.to(tl.int64)[:, None] * rows + r[None, :]
@@ -69,25 +80,47 @@ def _combine_kernel(part_ptr, lse_ptr, row_sum_ptr, rows, segments, ROWS: tl.con
     m = tl.max(pm, axis=0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)  # rows past the end: keep the arithmetic finite
     s = tl.sum(ps * tl.exp(pm - m_safe[None, :]), axis=0)
-    tl.store(lse_ptr + r, m_safe + tl.log(s), mask=r < rows)
-    tl.store(row_sum_ptr + r, tl.sum(pt, axis=0), mask=r < rows)
+    lse = m_safe + tl.log(s)
+    tl.store(lse_ptr + r, lse, mask=r < rows)
+    tl.store(row_sum_ptr + r, tl.sum(pt, axis=0).to(row_sum_ptr.dtype.element_ty), mask=r < rows)
+    if WRITE_LOGP:  # the token log-prob, straight into the caller's buffer
+        logp = tl.load(target_logit_ptr + r, mask=r < rows, other=0.0) - lse
+        tl.store(logp_ptr + r, logp.to(logp_ptr.dtype.element_ty), mask=r < rows)
 
 
 def logsumexp_target(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row log-sum-exp, target logit and sum (float32) of ``logits`` ``[C, V]`` for ``targets`` ``[C]``."""
-    rows, vocab = check_row_pass_args(logits, targets=targets)
-    lse = torch.empty(rows, device=logits.device, dtype=torch.float32)
-    target_logit = torch.empty_like(lse)
-    row_sum = torch.empty_like(lse)
-    if rows:
-        segments = triton.cdiv(vocab, SEGMENT_COLS)
-        part = torch.empty(3, segments, rows, device=logits.device, dtype=torch.float32)
-        block = min(BLOCK_V, SEGMENT_COLS)
-        _segment_stats_kernel[(rows, segments)](
-            logits, targets, part, target_logit, rows, vocab, logits.stride(0),
-            SEGMENT=SEGMENT_COLS, BLOCK=block, num_warps=NUM_WARPS,
-        )  # fmt: skip
-        _combine_kernel[(triton.cdiv(rows, COMBINE_ROWS),)](
-            part, lse, row_sum, rows, segments, ROWS=COMBINE_ROWS, SEGMENTS=triton.next_power_of_2(segments)
-        )
+    rows, _ = check_row_pass_args(logits, targets=targets)
+    lse, target_logit, row_sum = (torch.empty(rows, device=logits.device, dtype=torch.float32) for _ in range(3))
+    _launch(logits, targets, lse, target_logit, row_sum, None)
     return lse, target_logit, row_sum
+
+
+def token_logps_(
+    logits: torch.Tensor, targets: torch.Tensor, token_logp: torch.Tensor, row_sum: torch.Tensor
+) -> torch.Tensor:
+    """``logsumexp_target`` writing ``target − lse`` into ``token_logp`` and the sum into ``row_sum`` (``[C]``
+    views of the caller's per-token buffers: no copies); returns the log-sum-exp."""
+    rows, _ = check_row_pass_args(logits, targets=targets, token_logp=token_logp, row_sum=row_sum)
+    if not (token_logp.is_contiguous() and row_sum.is_contiguous()):
+        raise ValueError("token_logps_ writes into contiguous token_logp and row_sum")
+    lse, target_logit = (torch.empty(rows, device=logits.device, dtype=torch.float32) for _ in range(2))
+    _launch(logits, targets, lse, target_logit, row_sum, token_logp)
+    return lse
+
+
+def _launch(logits, targets, lse, target_logit, row_sum, token_logp) -> None:
+    rows, vocab = logits.shape
+    if not rows:
+        return
+    segments = triton.cdiv(vocab, SEGMENT_COLS)
+    part = torch.empty(3, segments, rows, device=logits.device, dtype=torch.float32)
+    block = min(BLOCK_V, SEGMENT_COLS)
+    _segment_stats_kernel[(rows, segments)](
+        logits, targets, part, target_logit, rows, vocab, logits.stride(0),
+        SEGMENT=SEGMENT_COLS, BLOCK=block, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    _combine_kernel[(triton.cdiv(rows, COMBINE_ROWS),)](
+        part, lse, row_sum, target_logit, lse if token_logp is None else token_logp, rows, segments,
+        ROWS=COMBINE_ROWS, SEGMENTS=triton.next_power_of_2(segments), WRITE_LOGP=token_logp is not None,
+    )  # fmt: skip

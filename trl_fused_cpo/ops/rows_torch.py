@@ -36,17 +36,34 @@ def softmax_grad_(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor
     return logits.copy_(grad)
 
 
+def token_logps_(
+    logits: torch.Tensor, targets: torch.Tensor, token_logp: torch.Tensor, row_sum: torch.Tensor
+) -> torch.Tensor:
+    """``logsumexp_target`` with ``target − lse`` written into ``token_logp`` and the sum into ``row_sum``; returns
+    the log-sum-exp."""
+    lse, target_logit, total = logsumexp_target(logits, targets)
+    token_logp.copy_(target_logit - lse)
+    row_sum.copy_(total)
+    return lse
+
+
 def shifted_exp_(
-    logits: torch.Tensor, targets: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    token_logp: torch.Tensor,
+    row_sum: torch.Tensor,
+    keep: torch.Tensor,
+    inv: torch.Tensor,
+) -> None:
     """A frozen head's one pass (``frozen_grad_kernels.py``): ``logits`` becomes ``E`` with ``E · inv`` the softmax
-    without the target column; returns ``(lse, target_logit, row_sum, keep = 1 − p(target), inv)``. Here the shift
-    is the log-sum-exp itself, so ``inv`` is 1."""
-    lse, target_logit, row_sum = logsumexp_target(logits, targets)
+    without the target column; writes ``token_logp``, ``row_sum``, ``keep = 1 − p(target)`` and ``inv``. Here the
+    shift is the log-sum-exp itself, so ``inv`` is 1."""
+    lse = token_logps_(logits, targets, token_logp, row_sum)
     lf = logits if logits.dtype == torch.float64 else logits.float()
     probs = torch.exp(lf - lse[:, None]).scatter_(1, targets[:, None], 0.0)
     logits.copy_(probs)
-    return lse, target_logit, row_sum, probs.sum(-1), torch.ones_like(lse)
+    keep.copy_(probs.sum(-1))
+    inv.fill_(1.0)
 
 
 def frozen_dx_(

@@ -2,7 +2,7 @@
 per concern."""
 
 from .frozen_grad_kernels import frozen_dx_, shifted_exp_
-from .logsumexp_kernel import logsumexp_target
+from .logsumexp_kernel import logsumexp_target, token_logps_
 from .plan_kernels import compact_labels, label_counts
 from .sequence_kernels import finish_, pair_tail_
 from .softmax_grad_kernel import softmax_grad_
@@ -16,4 +16,5 @@ __all__ = [
     "pair_tail_",
     "shifted_exp_",
     "softmax_grad_",
+    "token_logps_",
 ]
