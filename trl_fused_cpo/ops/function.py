@@ -47,9 +47,9 @@ def linear_cpo_forward(
     """Loss, sequence log-probs, NLL and (where ``need_grads``) the gradients of hidden, weight and bias.
 
     Args:
-        rows: ``rows_torch`` or ``rows_triton``: the row passes (``logsumexp_target``, ``softmax_grad_``), the
-            plan's label ops (``label_counts``, ``compact_labels``) and the per-sequence tail (``pair_tail_``,
-            ``finish_``).
+        rows: ``rows_torch`` or ``rows_triton``: the row passes (``token_logps_``, ``shifted_exp_``,
+            ``softmax_grad_``, ``frozen_dx_``), the plan's label ops (``label_counts``, ``compact_labels``) and the
+            per-sequence tail (``pair_tail_``, ``finish_``).
         need_grads: whether hidden, weight, bias need a gradient.
 
     Returns:
