@@ -216,6 +216,21 @@ def test_frozen_grad_kernels_match_torch(dtype, spread):
     torch.testing.assert_close(dx, dx_r, rtol=1e-5 if dtype == torch.float32 else 1e-3, atol=1e-6)
 
 
+@pytest.mark.parametrize("spread", [2.0, 100.0])
+def test_exp_pass_experiment_matches_the_shipped_kernels(spread):
+    """scripts/sweep_exp_pass.py's one-reduction-per-block variants give the shipped passes' outputs."""
+    sweep = load_script("sweep_exp_pass")
+    g = torch.Generator().manual_seed(int(spread))
+    logits = torch.randn(4, 8193 + 4096, generator=g) * 2
+    if spread > 64:  # the overflow guard's rescaling, within a segment and across segments
+        logits[0, 5000] = spread
+        logits[2, 8200] = spread
+    targets = torch.randint(0, logits.shape[1], (4,), generator=g).to(DEVICE)
+    diffs = sweep.compare(logits.to(DEVICE), targets)
+    assert diffs["lse"] < 1e-5 and diffs["lse_logp_sum"] < 1e-2, diffs
+    assert diffs["exp_E"] < 1e-6 and diffs["exp_outputs"] < 1e-5, diffs
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_token_logps_kernel_writes_into_the_callers_buffers(dtype):
     from trl_fused_cpo.ops import rows_triton
