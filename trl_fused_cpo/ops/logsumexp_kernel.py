@@ -102,8 +102,6 @@ def token_logps_(
     """``logsumexp_target`` writing ``target − lse`` into ``token_logp`` and the sum into ``row_sum`` (``[C]``
     views of the caller's per-token buffers: no copies); returns the log-sum-exp."""
     rows, _ = check_row_pass_args(logits, targets=targets, token_logp=token_logp, row_sum=row_sum)
-    if not (token_logp.is_contiguous() and row_sum.is_contiguous()):
-        raise ValueError("token_logps_ writes into contiguous token_logp and row_sum")
     lse, target_logit = (torch.empty(rows, device=logits.device, dtype=torch.float32) for _ in range(2))
     _launch(logits, targets, lse, target_logit, row_sum, token_logp)
     return lse
