@@ -8,9 +8,6 @@ Groupings: accelerate's (`final norm + lm_head` as one unit, `embed + norm + lm_
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -53,9 +50,10 @@ def _rank_rows(rank: int, num_pairs: int) -> list[int]:
     return pairs + [num_pairs + i for i in pairs]
 
 
-def _worker(rank: int, port: int, grouping: str, tie: bool, memory: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def _worker(rank: int, store: str, grouping: str, tie: bool, memory: str, out: str) -> None:
+    # A file rendezvous, not a TCP port: a port picked free and released can be taken by another socket before
+    # rank 0 binds it (the likely cause of a rare failure of this test on a 2-core machine).
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     try:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -83,12 +81,6 @@ def _worker(rank: int, port: int, grouping: str, tie: bool, memory: str, out: st
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize(
     ("grouping", "tie", "memory"),
     [
@@ -104,7 +96,7 @@ def test_fsdp2_two_ranks_match_one_process(tmp_path, grouping, tie, memory):
     want = {n: p.grad for n, p in model.named_parameters()}
 
     out = str(tmp_path / "grads.pt")
-    mp.spawn(_worker, args=(_free_port(), grouping, tie, memory, out), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(str(tmp_path / "store"), grouping, tie, memory, out), nprocs=WORLD, join=True)
     got = torch.load(out)
     assert got.keys() == want.keys(), f"parameters without a gradient: {sorted(want.keys() - got.keys())}"
     for name, grad in want.items():
