@@ -8,6 +8,7 @@
 #          entry: the steadier ratios), frozen-budgets (the frozen head at 256 / 384 / 512 MiB), e2e
 #          (scripts/benchmark_e2e.py, 1B/3B/8B + 20-step loss curves), kernel-ab (fused-only long runs of this tree,
 #          of each version that scripts/stage_ab.sh staged under ab/ (carry "ab"), then of this tree again: A/B/A),
+#          sweep-exp (scripts/sweep_shifted_exp.py: the frozen exponentials pass, piece by piece),
 #          probe-frozen (scripts/probe_frozen_schedules.py: a frozen call's time by stage, token slices vs slabs),
 #          recipe (the 1B recipe through accelerate launch), maxbatch / maxbatch-8b (largest micro-batch per
 #          trainer, 1B / 8B LoRA); default: tests profile
@@ -33,6 +34,8 @@ for what in "${steps[@]}"; do
       run_check zero3-tied accelerate launch --config_file configs/deepspeed_zero3.yaml --num_processes 1 --mixed_precision no scripts/check_wrappers.py --check parity --tie
       run_check lora python3 scripts/check_wrappers.py --check lora
       run_check qlora python3 scripts/check_wrappers.py --check qlora ;;
+    sweep-exp) timeout 300 python3 scripts/sweep_shifted_exp.py --json "$OUT/shifted_exp.json" 2>&1 | tail -60 \
+                 | tee "$OUT/shifted_exp.txt" ;;
     probe-frozen) timeout 240 python3 scripts/probe_frozen_schedules.py --json "$OUT/probe_frozen.json" 2>&1 | tail -40 \
                     | tee "$OUT/probe_frozen.txt" ;;
     profile) python3 scripts/profile_fused_op.py --json "$OUT/profile.json" | tail -60 ;;
