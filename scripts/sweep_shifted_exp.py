@@ -114,6 +114,153 @@ def _variant_kernel(
     tl.store(part_ptr + 3 * plane + part, total_out)
 
 
+@triton.jit
+def _max_and_sums(m1, s1, o1, t1, m2, s2, o2, t2):
+    return tl.maximum(m1, m2), s1 + s2, o1 + o2, t1 + t2
+
+
+@triton.jit
+def _rescale_blocks(row_ptr, start, end, target, factor, V, BLOCK: tl.constexpr):
+    """``E *= factor`` over columns ``[start, end)``, the target column (its raw logit) left as it is."""
+    offsets = tl.arange(0, BLOCK)
+    for prev in tl.range(start, end, BLOCK):
+        pcols = prev + offsets
+        e = tl.load(row_ptr + pcols, mask=pcols < V, other=0.0).to(tl.float32)
+        e = tl.where(pcols == target, e, e * factor)
+        tl.store(row_ptr + pcols, e.to(row_ptr.dtype.element_ty), mask=pcols < V)
+
+
+@triton.jit
+def _one_reduce_kernel(
+    logits_ptr,
+    targets_ptr,
+    part_ptr,
+    rows,
+    V,
+    stride_row,
+    LIMIT: tl.constexpr,
+    SEGMENT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    """The guard's max and the three sums in one reduction per block (one barrier phase, not four); a block that
+    trips the guard recomputes its exponentials on the new shift (rare)."""
+    row = tl.program_id(0).to(tl.int64)
+    seg = tl.program_id(1)
+    row_ptr = logits_ptr + row * stride_row
+    start = seg * SEGMENT
+    offsets = tl.arange(0, BLOCK)
+    target = tl.load(targets_ptr + row)
+    c = tl.load(row_ptr + target).to(tl.float32)
+    s = 0.0
+    s_other = 0.0
+    total = 0.0
+    if PREFETCH:
+        x_next = tl.load(row_ptr + start + offsets, mask=start + offsets < V, other=float("-inf"))
+    for off in tl.range(0, SEGMENT, BLOCK):
+        cols = start + off + offsets
+        if PREFETCH:
+            x = x_next.to(tl.float32)
+            ncols = cols + BLOCK
+            x_next = tl.load(row_ptr + ncols, mask=(ncols < V) & (off + BLOCK < SEGMENT), other=float("-inf"))
+        else:
+            x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        is_target = cols == target
+        e = tl.exp(x - c)
+        block_max, bs, bo, bt = tl.reduce(
+            (x, e, tl.where(is_target, 0.0, e), tl.where(cols < V, x, 0.0)), 0, _max_and_sums
+        )
+        if block_max > c + LIMIT:  # rare: rescale this segment's earlier blocks, redo this one on the new shift
+            factor = tl.exp(c - block_max)
+            _rescale_blocks(row_ptr, start, start + off, target, factor, V, BLOCK)
+            s *= factor
+            s_other *= factor
+            c = block_max
+            e = tl.exp(x - c)
+            bs = tl.sum(e, axis=0)
+            bo = tl.sum(tl.where(is_target, 0.0, e), axis=0)
+        s += bs
+        s_other += bo
+        total += bt
+        tl.store(row_ptr + cols, tl.where(is_target, x, e).to(logits_ptr.dtype.element_ty), mask=cols < V)
+    part = seg.to(tl.int64) * rows + row
+    plane = tl.num_programs(1) * rows
+    tl.store(part_ptr + part, c)
+    tl.store(part_ptr + plane + part, s)
+    tl.store(part_ptr + 2 * plane + part, s_other)
+    tl.store(part_ptr + 3 * plane + part, total)
+
+
+@triton.jit
+def _select_guard_kernel(
+    logits_ptr,
+    targets_ptr,
+    part_ptr,
+    rows,
+    V,
+    stride_row,
+    LIMIT: tl.constexpr,
+    SEGMENT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    """No branch in the loop: the sums are vectors, and from the first block that trips the guard on, blocks are
+    left raw; after the loop (rare) the shipped loop with its rescale takes the segment from that block."""
+    row = tl.program_id(0).to(tl.int64)
+    seg = tl.program_id(1)
+    row_ptr = logits_ptr + row * stride_row
+    start = seg * SEGMENT
+    offsets = tl.arange(0, BLOCK)
+    target = tl.load(targets_ptr + row)
+    c = tl.load(row_ptr + target).to(tl.float32)
+    s = tl.zeros([BLOCK], dtype=tl.float32)
+    s_other = tl.zeros([BLOCK], dtype=tl.float32)
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    raw_from = SEGMENT  # the first block left raw
+    if PREFETCH:
+        x_next = tl.load(row_ptr + start + offsets, mask=start + offsets < V, other=float("-inf"))
+    for off in tl.range(0, SEGMENT, BLOCK):
+        cols = start + off + offsets
+        if PREFETCH:
+            x = x_next.to(tl.float32)
+            ncols = cols + BLOCK
+            x_next = tl.load(row_ptr + ncols, mask=(ncols < V) & (off + BLOCK < SEGMENT), other=float("-inf"))
+        else:
+            x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        raw_from = tl.where((tl.max(x, axis=0) > c + LIMIT) & (raw_from == SEGMENT), off, raw_from)
+        done = off < raw_from
+        is_target = cols == target
+        e = tl.exp(x - c)
+        s += tl.where(done, e, 0.0)
+        s_other += tl.where(done & ~is_target, e, 0.0)
+        total += tl.where(cols < V, x, 0.0)
+        tl.store(row_ptr + cols, tl.where(done & ~is_target, e, x).to(logits_ptr.dtype.element_ty), mask=cols < V)
+    s_out = tl.sum(s, axis=0)
+    s_other_out = tl.sum(s_other, axis=0)
+    if raw_from < SEGMENT:  # rare: the shipped loop over the raw blocks, earlier ones rescaled with the shift
+        for off in tl.range(raw_from, SEGMENT, BLOCK):
+            cols = start + off + offsets
+            x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            block_max = tl.max(x, axis=0)
+            if block_max > c + LIMIT:
+                factor = tl.exp(c - block_max)
+                _rescale_blocks(row_ptr, start, start + off, target, factor, V, BLOCK)
+                s_out *= factor
+                s_other_out *= factor
+                c = block_max
+            e = tl.exp(x - c)
+            is_target = cols == target
+            s_out += tl.sum(e, axis=0)
+            s_other_out += tl.sum(tl.where(is_target, 0.0, e), axis=0)
+            tl.store(row_ptr + cols, tl.where(is_target, x, e).to(logits_ptr.dtype.element_ty), mask=cols < V)
+    part = seg.to(tl.int64) * rows + row
+    plane = tl.num_programs(1) * rows
+    tl.store(part_ptr + part, c)
+    tl.store(part_ptr + plane + part, s_out)
+    tl.store(part_ptr + 2 * plane + part, s_other_out)
+    tl.store(part_ptr + 3 * plane + part, tl.sum(total, axis=0))
+
+
 def launch(logits, targets, part, cfg: dict) -> None:
     rows, vocab = logits.shape
     grid = (rows, triton.cdiv(vocab, cfg["segment"]))
@@ -121,6 +268,12 @@ def launch(logits, targets, part, cfg: dict) -> None:
     if cfg["kind"] == "shipped":
         frozen_grad_kernels._shifted_exp_kernel[grid](
             logits, targets, logits, part, rows, vocab, logits.stride(0), **common, SHIFT_IS_TARGET=True,
+            num_warps=cfg["warps"],
+        )  # fmt: skip
+    elif cfg["kind"] in ("one-reduce", "select-guard"):
+        kernel = _one_reduce_kernel if cfg["kind"] == "one-reduce" else _select_guard_kernel
+        kernel[grid](
+            logits, targets, part, rows, vocab, logits.stride(0), **common, PREFETCH=cfg["prefetch"],
             num_warps=cfg["warps"],
         )  # fmt: skip
     else:
@@ -147,9 +300,13 @@ def event_ms(reset, fn, reps: int) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in pairs)
 
 
-def configs() -> list[dict]:
+TILES = "8192x2048x4,8192x1024x2,8192x4096x8,16384x2048x4,4096x2048x4"  # segment x block x warps
+
+
+def configs(tiles: str = TILES, names: str | None = None) -> list[dict]:
     out = []
-    for segment, block, warps in ((8192, 2048, 4), (8192, 1024, 2), (8192, 4096, 8), (16384, 2048, 4), (4096, 2048, 4)):
+    for tile in tiles.split(","):
+        segment, block, warps = (int(v) for v in tile.split("x"))
         base = dict(segment=segment, block=block, warps=warps)
         out.append(dict(base, kind="shipped", name="shipped"))
         for name, exp, guard, sums, prefetch in (
@@ -164,7 +321,11 @@ def configs() -> list[dict]:
             ("vec+prefetch", True, True, 2, True),
         ):
             out.append(dict(base, kind="variant", name=name, exp=exp, guard=guard, sums=sums, prefetch=prefetch))
-    return out
+        for kind in ("one-reduce", "select-guard"):
+            for prefetch in (False, True):
+                name = kind + ("+prefetch" if prefetch else "")
+                out.append(dict(base, kind=kind, name=name, prefetch=prefetch))
+    return [c for c in out if names is None or c["name"] in names.split(",")]
 
 
 def compare(cfg, pristine, targets, rows) -> dict:
@@ -188,6 +349,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--rows", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=128_256)
     p.add_argument("--reps", type=int, default=100)
+    p.add_argument("--tiles", default=TILES, help="segment x block x warps, comma-separated")
+    p.add_argument("--names", default=None, help="only these variants (comma-separated); default: all")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     torch.manual_seed(0)
@@ -202,14 +365,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     nbytes = 2 * logits.numel() * logits.element_size()
     print(f"copy (out of place): {copy_ms:.3f} ms, {nbytes / copy_ms / 1e9:.2f} TB/s", flush=True)
     results = [{"name": "torch copy", "ms": copy_ms, "tbs": nbytes / copy_ms / 1e9}]
-    for cfg in configs():
+    for cfg in configs(args.tiles, args.names):
         segments = triton.cdiv(vocab, cfg["segment"])
         part = torch.empty(4, segments, rows, device="cuda")
         ms = event_ms(
             lambda: logits.copy_(pristine), lambda cfg=cfg, part=part: launch(logits, targets, part, cfg), args.reps
         )
         row = dict(cfg, ms=ms, tbs=nbytes / ms / 1e9)
-        if cfg["kind"] == "variant" and cfg["guard"] and cfg["sums"]:
+        if cfg["kind"] != "shipped" and cfg.get("guard", True) and cfg.get("sums", 1):
             row["diff"] = compare(cfg, pristine, targets, rows)
             row["diff_rescaled"] = compare(cfg, rescaled, targets, rows)
         results.append(row)
