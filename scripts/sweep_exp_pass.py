@@ -135,13 +135,13 @@ def shifted_exp_vec_(logits, targets, token_logp, row_sum, keep, inv) -> None:
     rows, vocab = logits.shape
     segment, block = (
         frozen_grad_kernels.SEGMENT_COLS,
-        min(frozen_grad_kernels.BLOCK_V, frozen_grad_kernels.SEGMENT_COLS),
+        min(frozen_grad_kernels.EXP_BLOCK, frozen_grad_kernels.SEGMENT_COLS),
     )
     segments = triton.cdiv(vocab, segment)
     part = torch.empty(4, segments, rows, device=logits.device)
     _shifted_exp_vec_kernel[(rows, segments)](
         logits, targets, part, rows, vocab, logits.stride(0),
-        LIMIT=frozen_grad_kernels.SHIFT_LIMIT, SEGMENT=segment, BLOCK=block, num_warps=frozen_grad_kernels.NUM_WARPS,
+        LIMIT=frozen_grad_kernels.SHIFT_LIMIT, SEGMENT=segment, BLOCK=block, num_warps=frozen_grad_kernels.EXP_WARPS,
     )  # fmt: skip
     frozen_grad_kernels._shifted_exp_combine_kernel[(rows,)](
         logits, targets, part, row_sum, token_logp, row_sum, keep, inv, rows, segments, vocab, logits.stride(0),

@@ -17,7 +17,7 @@ import triton
 
 from trl_fused_cpo.ops import frozen_grad_kernels, logsumexp_kernel
 
-# (SEGMENT_COLS, BLOCK_V, NUM_WARPS); the first is the shipped default.
+# (SEGMENT_COLS, BLOCK_V, NUM_WARPS), both passes at once; the first is the log-sum-exp pass's shipped default.
 CONFIGS = [
     (8192, 2048, 4),
     (8192, 1024, 4),
@@ -38,8 +38,8 @@ def bench(fn) -> float:
 
 def use(config: tuple[int, int, int]) -> None:
     """Point both kernels' launchers at ``config`` (they read the module constants at call time)."""
-    for module in (logsumexp_kernel, frozen_grad_kernels):
-        module.SEGMENT_COLS, module.BLOCK_V, module.NUM_WARPS = config
+    logsumexp_kernel.SEGMENT_COLS, logsumexp_kernel.BLOCK_V, logsumexp_kernel.NUM_WARPS = config
+    frozen_grad_kernels.SEGMENT_COLS, frozen_grad_kernels.EXP_BLOCK, frozen_grad_kernels.EXP_WARPS = config
 
 
 def sweep_rows(rows: int, vocab: int) -> list[dict]:
@@ -73,11 +73,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--vocab", type=int, default=128_256)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    default = (logsumexp_kernel.SEGMENT_COLS, logsumexp_kernel.BLOCK_V, logsumexp_kernel.NUM_WARPS)
+    shipped_lse = (logsumexp_kernel.SEGMENT_COLS, logsumexp_kernel.BLOCK_V, logsumexp_kernel.NUM_WARPS)
+    shipped_exp = (frozen_grad_kernels.SEGMENT_COLS, frozen_grad_kernels.EXP_BLOCK, frozen_grad_kernels.EXP_WARPS)
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
         results += sweep_rows(rows, args.vocab)
-    use(default)
+    logsumexp_kernel.SEGMENT_COLS, logsumexp_kernel.BLOCK_V, logsumexp_kernel.NUM_WARPS = shipped_lse
+    frozen_grad_kernels.SEGMENT_COLS, frozen_grad_kernels.EXP_BLOCK, frozen_grad_kernels.EXP_WARPS = shipped_exp
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=1)

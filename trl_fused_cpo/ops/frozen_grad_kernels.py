@@ -20,10 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .logsumexp_kernel import BLOCK_V, NUM_WARPS, SEGMENT_COLS, logsumexp_target
+from .logsumexp_kernel import SEGMENT_COLS, logsumexp_target
 from .row_checks import check_row_pass_args
 
 SHIFT_LIMIT = 64.0  # exp(64) ≈ 6e27: Σ over 128k columns stays far from fp32's 3e38
+# One warp per program, 512 columns a load, the next block's load issued before this one's guard: 0.162 ms for
+# 1,024 rows of Llama-3 bf16 logits (3.25 TB/s) where 2,048 columns × 4 warps without it took 0.215 ms (2.44 TB/s)
+# (scripts/sweep_shifted_exp.py, docs/results/shifted_exp_sweep*.json).
+EXP_BLOCK, EXP_WARPS = 512, 1
 
 
 @triton.jit
@@ -53,9 +57,14 @@ def _shifted_exp_kernel(
     s = 0.0
     s_other = 0.0
     total = 0.0
+    # The guard's rescale stores into this segment's earlier blocks, so the compiler cannot move the next block's
+    # load above it: that load is issued by hand before the guard, and one load is always in flight.
+    x_next = tl.load(row_ptr + start + offsets, mask=start + offsets < V, other=float("-inf"))
     for off in tl.range(0, SEGMENT, BLOCK):
         cols = start + off + offsets
-        x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        x = x_next.to(tl.float32)
+        next_cols = cols + BLOCK
+        x_next = tl.load(row_ptr + next_cols, mask=(next_cols < V) & (off + BLOCK < SEGMENT), other=float("-inf"))
         block_max = tl.max(x, axis=0)
         if block_max > c + LIMIT:  # rare: rescale this segment's earlier blocks to the new shift
             factor = tl.exp(c - block_max)
@@ -164,10 +173,10 @@ def shifted_exp_(
         shift, target_logit, _ = logsumexp_target(logits, targets)
     segments = triton.cdiv(vocab, SEGMENT_COLS)
     part = torch.empty(4, segments, rows, device=logits.device, dtype=torch.float32)
-    block = min(BLOCK_V, SEGMENT_COLS)
+    block = min(EXP_BLOCK, SEGMENT_COLS)
     _shifted_exp_kernel[(rows, segments)](
         logits, targets, shift, part, rows, vocab, logits.stride(0),
-        LIMIT=SHIFT_LIMIT, SEGMENT=SEGMENT_COLS, BLOCK=block, SHIFT_IS_TARGET=from_target, num_warps=NUM_WARPS,
+        LIMIT=SHIFT_LIMIT, SEGMENT=SEGMENT_COLS, BLOCK=block, SHIFT_IS_TARGET=from_target, num_warps=EXP_WARPS,
     )  # fmt: skip
     _shifted_exp_combine_kernel[(rows,)](
         logits, targets, part, target_logit, token_logp, row_sum, keep, inv, rows, segments, vocab,
