@@ -14,11 +14,16 @@ checked against the shipped kernel (E and the partials), also on rows that take 
 
 Each kernel is timed alone by CUDA events around it, after an untimed copy restores the logits (the pass is in
 place), so no copy time is subtracted.
+
+``--lse-tiles``: the read-only log-sum-exp pass (``logsumexp_kernel._segment_stats_kernel``, eval and trainable
+heads) at the same kind of tiles, shipped and with the same hand-issued prefetch, and the trainable head's
+``softmax_grad_`` pass, for the record.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 
@@ -26,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trl_fused_cpo.ops import frozen_grad_kernels
+from trl_fused_cpo.ops import frozen_grad_kernels, logsumexp_kernel, softmax_grad_kernel
 
 
 @triton.jit
@@ -261,6 +266,75 @@ def _select_guard_kernel(
     tl.store(part_ptr + 3 * plane + part, tl.sum(total, axis=0))
 
 
+@triton.jit
+def _lse_prefetch_kernel(
+    logits_ptr,
+    targets_ptr,
+    part_ptr,
+    target_logit_ptr,
+    rows,
+    V,
+    stride_row,
+    SEGMENT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """``logsumexp_kernel._segment_stats_kernel`` with the next block's load issued before this block's math."""
+    row = tl.program_id(0).to(tl.int64)
+    seg = tl.program_id(1)
+    row_ptr = logits_ptr + row * stride_row
+    start = seg * SEGMENT
+    offsets = tl.arange(0, BLOCK)
+    m = float("-inf")
+    s = 0.0
+    total = 0.0
+    x_next = tl.load(row_ptr + start + offsets, mask=start + offsets < V, other=float("-inf"))
+    for off in tl.range(0, SEGMENT, BLOCK):
+        cols = start + off + offsets
+        x = x_next.to(tl.float32)
+        ncols = cols + BLOCK
+        x_next = tl.load(row_ptr + ncols, mask=(ncols < V) & (off + BLOCK < SEGMENT), other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        total += tl.sum(tl.where(cols < V, x, 0.0), axis=0)
+        m = m_new
+    part = seg.to(tl.int64) * rows + row
+    segments = tl.num_programs(1)
+    tl.store(part_ptr + part, m)
+    tl.store(part_ptr + segments * rows + part, s)
+    tl.store(part_ptr + 2 * segments * rows + part, total)
+    target = tl.load(targets_ptr + row)
+    if (target >= start) & (target < start + SEGMENT):
+        tl.store(target_logit_ptr + row, tl.load(row_ptr + target).to(tl.float32))
+
+
+def sweep_lse(pristine, targets, tiles: str, reps: int) -> list[dict]:
+    """The read-only passes: log-sum-exp (shipped, prefetch) per tile, and softmax_grad_ as shipped."""
+    rows, vocab = pristine.shape
+    nbytes = pristine.numel() * pristine.element_size()
+    target_logit = torch.empty(rows, device=pristine.device)
+    results = []
+    for tile in tiles.split(","):
+        segment, block, warps = (int(v) for v in tile.split("x"))
+        part = torch.empty(3, triton.cdiv(vocab, segment), rows, device=pristine.device)
+        grid = (rows, triton.cdiv(vocab, segment))
+        for name, kernel in (("lse", logsumexp_kernel._segment_stats_kernel), ("lse+prefetch", _lse_prefetch_kernel)):
+            launch_pass = functools.partial(
+                kernel[grid], pristine, targets, part, target_logit, rows, vocab, vocab, SEGMENT=segment, BLOCK=block,
+                num_warps=warps,
+            )  # fmt: skip
+            ms = event_ms(lambda: None, launch_pass, reps)
+            results.append(dict(name=name, segment=segment, block=block, warps=warps, ms=ms, tbs=nbytes / ms / 1e9))
+            print(f"seg {segment:5d} block {block:4d} w{warps:<2d} {name:20s} {ms:.4f} ms {nbytes / ms / 1e9:.2f} TB/s")
+    logits = torch.empty_like(pristine)
+    lse, coef = torch.zeros(rows, device=pristine.device), torch.ones(rows, device=pristine.device)
+    ms = event_ms(
+        lambda: logits.copy_(pristine), lambda: softmax_grad_kernel.softmax_grad_(logits, lse, targets, coef), reps
+    )
+    results.append(dict(name="softmax_grad", ms=ms, tbs=2 * nbytes / ms / 1e9))
+    print(f"softmax_grad_ (shipped) {ms:.4f} ms {2 * nbytes / ms / 1e9:.2f} TB/s", flush=True)
+    return results
+
+
 def launch(logits, targets, part, cfg: dict) -> None:
     rows, vocab = logits.shape
     grid = (rows, triton.cdiv(vocab, cfg["segment"]))
@@ -351,6 +425,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--reps", type=int, default=100)
     p.add_argument("--tiles", default=TILES, help="segment x block x warps, comma-separated")
     p.add_argument("--names", default=None, help="only these variants (comma-separated); default: all")
+    p.add_argument("--lse-tiles", default=None, help="also the log-sum-exp pass at these tiles")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     torch.manual_seed(0)
@@ -382,6 +457,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             f"{row['tbs']:.2f} TB/s{diff}",
             flush=True,
         )
+    if args.lse_tiles:
+        results += sweep_lse(pristine, targets, args.lse_tiles, args.reps)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=1)
