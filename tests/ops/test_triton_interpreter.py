@@ -231,6 +231,30 @@ def test_exp_pass_experiment_matches_the_shipped_kernels(spread):
     assert diffs["exp_E"] < 1e-6 and diffs["exp_outputs"] < 1e-5, diffs
 
 
+@pytest.mark.parametrize("spread", [2.0, 100.0])
+def test_shifted_exp_sweep_candidates_match_the_shipped_kernel(spread):
+    """scripts/sweep_shifted_exp.py's candidate kernels (guard and sums on) give the shipped pass's E and partials."""
+    sweep = load_script("sweep_shifted_exp")
+    g = torch.Generator().manual_seed(int(spread))
+    rows, vocab = 4, 700
+    logits = torch.randn(rows, vocab, generator=g) * 2
+    if spread > 64:  # the guard's rescale: a later block, the first block, and two shifts in one segment
+        logits[0, 300] = spread
+        logits[1, 10] = spread / 2
+        logits[1, 200] = spread
+        logits[3, 650] = spread
+    targets = torch.randint(0, vocab, (rows,), generator=g).to(DEVICE)
+    candidates = [
+        c
+        for c in sweep.configs("256x64x1,128x32x2")  # interpreter-sized tiles: several blocks a segment
+        if c["kind"] != "shipped" and c.get("guard", True) and c.get("sums", 1)
+    ]
+    assert {c["name"] for c in candidates} >= {"prefetch", "vec+prefetch", "one-reduce+prefetch", "select-guard"}
+    for cfg in candidates:
+        diffs = sweep.compare(cfg, logits.to(DEVICE), targets, rows)
+        assert diffs["E"] == 0.0 and diffs["partials_rel"] < 1e-5, (cfg["name"], diffs)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_token_logps_kernel_writes_into_the_callers_buffers(dtype):
     from trl_fused_cpo.ops import rows_triton
