@@ -10,7 +10,9 @@ Implementations (each one function ``(hidden, weight, labels, spec) -> loss``, a
 - ``trl-chunked``: ``trl.kernels.ChunkedLogProbFunction`` on the labelled tokens + the same CPO math.
 - ``cce``: ``cut_cross_entropy.linear_cross_entropy(reduction="none")`` + the same CPO math.
 - ``floor``: cuBLAS doing only the unavoidable products on the labelled tokens (logits, dX, dW; no dW with a
-  frozen head; the logits GEMM alone for the forward), on preallocated buffers. ``x floor`` is ms over this.
+  frozen head; the logits GEMM alone for the forward), on preallocated buffers. ``x floor`` is ms over this,
+  measured first at each B; the floor is measured again after the implementations (``floor_after_ms`` in its row,
+  printed as the drift), so that a ratio near a target can be read against how far the machine moved.
 
 B counts sequences: B/2 pairs, chosen rows first, T positions each (Liger's CPO benchmark workload). Labels are
 already shifted: ``hidden[:, t]`` predicts ``labels[:, t]``. Workloads: ``full`` (all positions labelled, trainable
@@ -459,6 +461,26 @@ def measure(
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def measure_floor(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    workload: Workload,
+    spec: LossSpec,
+    device: torch.device,
+    args: argparse.Namespace,
+) -> tuple[dict[str, Any], int]:
+    """The floor's entry (``measure``'s dict, no peak: its buffers are preallocated) and its FLOP count."""
+    try:
+        floor_step, flops = make_floor_step(hidden, weight, labels, workload, spec.ignore_index)
+        floor = measure(floor_step, device, args, (), memory=False)
+        del floor_step
+    except Exception as e:  # e.g. the floor's buffers do not fit
+        floor, flops = {"ms": None, "peak_gib": None, "first_call_s": None, "status": error_status(e)}, 0
+    free_memory(device, collect=floor["status"] != "ok")
+    return floor, flops
+
+
 def run_workload(
     workload: Workload,
     impls: Sequence[str],
@@ -468,7 +490,7 @@ def run_workload(
     dtype: torch.dtype,
     device: torch.device,
 ) -> list[dict[str, Any]]:
-    """Every B of one workload: the floor first, then each implementation on the same inputs."""
+    """Every B of one workload: the floor first, then each implementation on the same inputs, then the floor again."""
     rows = []
     weight.requires_grad_(workload.trainable)
     for batch in args.batch_sizes:
@@ -477,16 +499,11 @@ def run_workload(
         labelled = int((labels != spec.ignore_index).sum())
         common = {"workload": workload.name, "B": batch, "positions": batch * args.seq_len, "labelled": labelled}
 
-        try:
-            floor_step, flops = make_floor_step(hidden, weight, labels, workload, spec.ignore_index)
-            floor = measure(floor_step, device, args, (), memory=False)  # preallocated buffers: no meaningful peak
-            del floor_step
-        except Exception as e:  # e.g. the floor's buffers do not fit
-            floor, flops = {"ms": None, "peak_gib": None, "first_call_s": None, "status": error_status(e)}, 0
-        free_memory(device, collect=floor["status"] != "ok")
+        floor, flops = measure_floor(hidden, weight, labels, workload, spec, device, args)
         floor["tflops"] = flops / floor["ms"] / 1e9 if floor["ms"] else None
-        rows.append({**common, "impl": "floor", **floor, "x_floor": 1.0 if floor["ms"] else None})
-        print_entry(rows[-1])
+        floor_row = {**common, "impl": "floor", **floor, "x_floor": 1.0 if floor["ms"] else None}
+        rows.append(floor_row)
+        print_entry(floor_row)
 
         for name in impls:
             step = make_impl_step(IMPLS[name], hidden, weight, labels, spec, workload)
@@ -496,6 +513,12 @@ def run_workload(
             res["x_floor"] = res["ms"] / floor["ms"] if res["ms"] and floor["ms"] else None
             rows.append({**common, "impl": name, **res})
             print_entry(rows[-1])
+        # The floor again after the implementations: how far the machine drifted over this B (recorded only; × floor
+        # stays over the first measurement, taken before any implementation ran).
+        floor_row["floor_after_ms"] = measure_floor(hidden, weight, labels, workload, spec, device, args)[0]["ms"]
+        if floor_row["floor_after_ms"] and floor["ms"]:
+            print(f"  {workload.name:<14} B={batch:<3d} floor again  {floor_row['floor_after_ms']:.2f} ms "
+                  f"({floor_row['floor_after_ms'] / floor['ms'] - 1:+.1%} drift)")  # fmt: skip
         del hidden, labels
         free_memory(device, (weight,))
     return rows
@@ -620,6 +643,7 @@ def write_results(out_dir: Path, report: dict[str, Any]) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(report, indent=2) + "\n")
     fields = ["workload", "impl", "B", "positions", "labelled", "ms", "x_floor", "peak_gib", "tflops", "first_call_s"]
+    fields.append("floor_after_ms")  # the floor's row: the floor measured again after the implementations
     with open(out_dir / "results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=[*fields, "status"], extrasaction="ignore")
         writer.writeheader()

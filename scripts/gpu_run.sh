@@ -5,9 +5,10 @@
 #   (on the GPU machine) bash scripts/gpu_run.sh [step...]
 #   steps: tests (GPU-capable tests), profile (stage timings), wrappers (FSDP2 / ZeRO-3 / LoRA / QLoRA checks),
 #          kernel (scripts/benchmark_kernel.py, every peer), kernel-long (fused, fused-lean and floor only, 1.5 s per
-#          entry: the steadier ratios), frozen-budgets (the frozen head at 256 / 384 / 512 MiB), e2e
-#          (scripts/benchmark_e2e.py, 1B/3B/8B + 20-step loss curves), kernel-ab (fused-only long runs of this tree,
-#          of each version that scripts/stage_ab.sh staged under ab/ (carry "ab"), then of this tree again: A/B/A),
+#          entry: the steadier ratios), kernel-long-peers (every peer at 1 s an entry, ≈ 4 min), frozen-budgets
+#          (the frozen head at 256 / 384 / 512 MiB), e2e (scripts/benchmark_e2e.py, 1B/3B/8B + 20-step loss curves),
+#          kernel-ab (fused-only long runs of this tree, of each version that scripts/stage_ab.sh staged under ab/
+#          (carry "ab"), then of this tree again: A/B/A),
 #          sweep-exp (scripts/sweep_shifted_exp.py: the frozen exponentials pass, piece by piece),
 #          probe-frozen (scripts/probe_frozen_schedules.py: a frozen call's time by stage, token slices vs slabs),
 #          recipe (the 1B recipe through accelerate launch), maxbatch / maxbatch-8b (largest micro-batch per
@@ -48,7 +49,10 @@ for what in "${steps[@]}"; do
           | grep -E "^(fused|floor) " | sed "s/^/[$mib MiB] /"
       done ;;
     kernel-long) timeout 300 python3 scripts/benchmark_kernel.py --impls fused,fused-lean --no-accuracy --warmup 200 --rep 1500 \
-                   --out "$OUT/kernel_long" 2>&1 | grep -E "^(fused|floor) " ;;
+                   --out "$OUT/kernel_long" 2>&1 | grep -E "^(fused|floor) |drift" ;;
+    kernel-long-peers)  # every peer at 1 s an entry (≈ 4 min): the side-by-side run with steadier ratios
+      timeout 420 python3 scripts/benchmark_kernel.py --impls fused,fused-lean,torch,liger,trl-chunked,cce --no-accuracy \
+        --warmup 150 --rep 1000 --out "$OUT/kernel_long_peers" 2>&1 | grep -E "^(fused|floor|torch|liger|trl-chunked|cce) |drift" ;;
     kernel-ab)  # ≈ 90 s a run: A (this tree), B (each ab/<rev>), A again; JSON under $OUT/ab_<label>
       ab_run() { echo "[$1] code: $2"; PYTHONPATH=/tmp/site:$2 TRL_FUSED_CPO_COMMIT=$1 timeout 150 python3 \
                    scripts/benchmark_kernel.py --impls fused --no-accuracy --no-plots --warmup 200 --rep 1500 \
