@@ -54,7 +54,7 @@ for what in "${steps[@]}"; do
       timeout 420 python3 scripts/benchmark_kernel.py --impls fused,fused-lean,torch,liger,trl-chunked,cce --no-accuracy \
         --warmup 150 --rep 1000 --out "$OUT/kernel_long_peers" 2>&1 | grep -E "^(fused|floor|torch|liger|trl-chunked|cce) |drift" ;;
     kernel-ab)  # ≈ 90 s a run: A (this tree), B (each ab/<rev>), A again; JSON under $OUT/ab_<label>
-      ab_run() { echo "[$1] code: $2"; PYTHONPATH=/tmp/site:$2 TRL_FUSED_CPO_COMMIT=$1 timeout 150 python3 \
+      ab_run() { echo "[$1] code: $2"; PYTHONPATH=/tmp/site:$2 TRL_FUSED_CPO_COMMIT=$1 timeout 200 python3 \
                    scripts/benchmark_kernel.py --impls fused --no-accuracy --no-plots --warmup 200 --rep 1500 \
                    --out "$OUT/ab_$1" 2>&1 | grep -E "^(fused|floor) " | sed "s/^/[$1] /"; }
       here=${TRL_FUSED_CPO_COMMIT:-tree}
