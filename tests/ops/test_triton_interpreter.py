@@ -78,6 +78,15 @@ def test_kernels_reject_bad_shapes():
         rows_triton.logsumexp_target(logits, torch.zeros(3, dtype=torch.long, device=DEVICE))
     with pytest.raises(ValueError, match="row-major"):
         rows_triton.logsumexp_target(logits.t(), torch.zeros(9, dtype=torch.long, device=DEVICE))
+    # frozen_dx_'s per-token tensors: the shape and contiguity a kernel indexing ptr + token relies on
+    g, weight, dx = (torch.randn(4, 8, device=DEVICE) for _ in range(3))
+    per_token = torch.zeros(2, 4, dtype=torch.long, device=DEVICE)
+    keep, inv, coef = torch.ones(4, device=DEVICE), torch.ones(4, device=DEVICE), torch.ones(2, device=DEVICE)
+    with pytest.raises(ValueError, match="keep must be contiguous"):
+        strided = torch.ones(8, device=DEVICE)[::2]
+        rows_triton.frozen_dx_(dx, per_token[0], g, weight, per_token[1], coef, per_token[0], strided, inv)
+    with pytest.raises(ValueError, match="targets must be"):
+        rows_triton.frozen_dx_(dx, per_token[0], g, weight, per_token[1, :3], coef, per_token[0], keep, inv)
 
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "simpo"])

@@ -223,9 +223,12 @@ def frozen_dx_(
     inv: torch.Tensor,
 ) -> None:
     """``dx[token_index] = coef · (keep · W[target] − inv · G)``, ``coef = row_coef[token_row]``, per token."""
-    tokens, hidden = g.shape
-    if not (dx.is_contiguous() and g.is_contiguous() and weight.is_contiguous()):
-        raise ValueError("frozen_dx_ needs contiguous dx, G and weight")
+    if not (dx.is_contiguous() and g.is_contiguous() and weight.is_contiguous() and row_coef.is_contiguous()):
+        raise ValueError("frozen_dx_ needs contiguous dx, G, weight and row_coef")
+    # The per-token tensors are indexed as ptr + token, like a row pass's per-row ones: the same check.
+    tokens, hidden = check_row_pass_args(
+        g, token_index=token_index, targets=targets, token_row=token_row, keep=keep, inv=inv
+    )
     if tokens:
         block = 1024
         _frozen_dx_kernel[(tokens, triton.cdiv(hidden, block))](
