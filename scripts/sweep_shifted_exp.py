@@ -79,11 +79,7 @@ def _variant_kernel(
             block_max = tl.max(x, axis=0)
             if block_max > c + LIMIT:  # rare: rescale this segment's earlier blocks to the new shift
                 factor = tl.exp(c - block_max)
-                for prev in tl.range(0, off, BLOCK):
-                    pcols = start + prev + offsets
-                    e = tl.load(row_ptr + pcols, mask=pcols < V, other=0.0).to(tl.float32)
-                    e = tl.where(pcols == target, e, e * factor)
-                    tl.store(row_ptr + pcols, e.to(logits_ptr.dtype.element_ty), mask=pcols < V)
+                _rescale_blocks(row_ptr, start, start + off, target, factor, V, BLOCK)
                 s *= factor
                 s_other *= factor
                 c = block_max
