@@ -10,6 +10,7 @@
 #          kernel-ab (fused-only long runs of this tree, of each version that scripts/stage_ab.sh staged under ab/
 #          (carry "ab"), then of this tree again: A/B/A),
 #          sweep-exp (scripts/sweep_shifted_exp.py: the frozen exponentials pass, piece by piece),
+#          sweep-epilogue (scripts/sweep_exp_epilogue.py: the frozen exponentials in a Triton GEMM's epilogue),
 #          probe-frozen (scripts/probe_frozen_schedules.py: a frozen call's time by stage, token slices vs slabs),
 #          recipe (the 1B recipe through accelerate launch), maxbatch / maxbatch-8b (largest micro-batch per
 #          trainer, 1B / 8B LoRA); default: tests profile
@@ -37,6 +38,8 @@ for what in "${steps[@]}"; do
       run_check qlora python3 scripts/check_wrappers.py --check qlora ;;
     sweep-exp) timeout 300 python3 scripts/sweep_shifted_exp.py --json "$OUT/shifted_exp.json" 2>&1 | tail -60 \
                  | tee "$OUT/shifted_exp.txt" ;;
+    sweep-epilogue) timeout 400 python3 scripts/sweep_exp_epilogue.py --json "$OUT/exp_epilogue.json" 2>&1 | tail -60 \
+                      | tee "$OUT/exp_epilogue.txt" ;;
     probe-frozen) timeout 240 python3 scripts/probe_frozen_schedules.py --json "$OUT/probe_frozen.json" 2>&1 | tail -40 \
                     | tee "$OUT/probe_frozen.txt" ;;
     profile) python3 scripts/profile_fused_op.py --json "$OUT/profile.json" | tail -60 ;;
