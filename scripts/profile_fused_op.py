@@ -79,6 +79,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--chunk-tokens", type=int, default=4096, help="tokens of the one-chunk stage timings (≤ B·T)")
     p.add_argument("--json", default=None, help="write the numbers here")
     p.add_argument(
+        "--masked",
+        action="store_true",
+        help="the benchmark's 40%%-unlabelled labels: each row's first 25%% (prompt) and last 15%% (padding) -100",
+    )
+    p.add_argument(
         "--trace",
         action="store_true",
         help="also print a torch.profiler table of one trainable, frozen and no-grad call",
@@ -86,7 +91,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument(
         "--timeline",
         action="store_true",
-        help="also print the GPU timeline of three back-to-back frozen and no-grad calls: busy time and idle gaps",
+        help="also print the GPU timeline of three back-to-back trainable, frozen and no-grad calls: busy time, idle "
+        "gaps and time per kernel",
     )
     args = p.parse_args(argv)
     dev, dt = "cuda", torch.bfloat16
@@ -97,6 +103,9 @@ def main(argv: list[str] | None = None) -> dict:
     weight = (torch.randn(v, h, device=dev) * (2 / h**0.5)).to(dt)
     labels = torch.randint(0, v, (b, t), device=dev)
     labels[:, -1] = -100
+    if args.masked:
+        labels[:, : round(0.25 * t)] = -100
+        labels[:, t - round(0.15 * t) :] = -100
     n = int((labels != -100).sum())
 
     x = hidden.reshape(-1, h)[:c].contiguous()
@@ -194,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
             with torch.no_grad():
                 fused_linear_cpo_loss(hidden, weight, labels, backend="triton")
 
-        for name, fn in [("frozen", step(True)), ("forward", no_grad_call)]:
+        for name, fn in [("trainable", step(False)), ("frozen", step(True)), ("forward", no_grad_call)]:
             whole[name + "_timeline"] = gpu_timeline(fn, name, b)
     with torch.no_grad():
         whole["forward"] = {"ms": bench(lambda: fused_linear_cpo_loss(hidden, weight, labels, backend="triton"), 5, 40)}

@@ -30,19 +30,24 @@ from trl_fused_cpo.ops import rows_triton
 from trl_fused_cpo.ops.frozen_grad_kernels import SHIFT_LIMIT
 
 COMBINE_ROWS, COMBINE_TILES = 64, 64
-# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, NUM_WARPS, WARP_SPECIALIZE); Hopper's warp specialisation needs
-# the tile loop unflattened, so FLATTEN = not WARP_SPECIALIZE.
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, NUM_WARPS, WARP_SPECIALIZE, PERSISTENT); Hopper's warp
+# specialisation needs the tile loop unflattened, so FLATTEN = not WARP_SPECIALIZE. Not persistent: one program a
+# tile, and programs small enough that two share an SM (one's epilogue under the other's products).
 CONFIGS = [
-    (128, 256, 64, 8, 3, 8, False),  # v6's best
-    (128, 256, 64, 8, 3, 8, True),
-    (128, 256, 64, 8, 4, 8, True),
-    (128, 256, 64, 8, 3, 4, True),
-    (128, 128, 64, 8, 4, 4, True),
-    (128, 128, 64, 8, 5, 8, True),
-    (256, 128, 64, 8, 3, 8, True),
-    (128, 256, 64, 16, 3, 8, True),
+    (128, 256, 64, 8, 3, 8, False, True),  # v6's best
+    (128, 256, 64, 8, 3, 8, True, True),
+    (128, 256, 64, 8, 4, 8, True, True),
+    (128, 256, 64, 8, 3, 4, True, True),
+    (128, 128, 64, 8, 4, 4, True, True),
+    (128, 128, 64, 8, 5, 8, True, True),
+    (256, 128, 64, 8, 3, 8, True, True),
+    (128, 256, 64, 16, 3, 8, True, True),
+    (128, 128, 64, 8, 2, 4, False, False),
+    (128, 128, 64, 8, 2, 8, False, False),
+    (64, 256, 64, 8, 2, 4, False, False),
+    (128, 128, 64, 8, 3, 4, False, False),
 ]
-NAMES = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "NUM_STAGES", "NUM_WARPS", "WARP_SPECIALIZE")
+NAMES = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "NUM_STAGES", "NUM_WARPS", "WARP_SPECIALIZE", "PERSISTENT")
 
 
 @triton.jit
@@ -64,7 +69,7 @@ def _logits_exp_kernel(
     BK: tl.constexpr,
     GROUP: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
-    EXP: tl.constexpr,  # False: the plain GEMM (the logits in bf16), to time the product alone
+    LEVEL: tl.constexpr,  # 0: the plain GEMM (bf16 logits); 1: + exp; 2: + the target's zero; 3: + sums; 4: + flag
     WS: tl.constexpr,
 ):
     start = tl.program_id(0)
@@ -86,24 +91,28 @@ def _logits_exp_kernel(
             a = x_desc.load([off_m, k * BK])
             b = w_desc.load([off_n, k * BK])
             acc = tl.dot(a, b.T, acc)
-        if EXP:
+        if LEVEL > 0:
             z = acc.to(out_desc.dtype).to(tl.float32)  # the logits torch would store
             rows = off_m + tl.arange(0, BM)
             cols = off_n + tl.arange(0, BN)
             in_rows = rows < M
             in_vocab = (cols < N)[None, :]
             c = tl.load(shift_ptr + rows, mask=in_rows, other=0.0)
-            target = tl.load(targets_ptr + rows, mask=in_rows, other=-1)
-            hit = cols[None, :] == target[:, None]
-            e = tl.where(hit | ~in_vocab, 0.0, tl.exp(z - c[:, None]))
-            over = tl.max(tl.where(in_vocab, z, float("-inf")), axis=1) > c + LIMIT
-            if tl.max(over.to(tl.int32), axis=0) > 0:  # rare: the op would redo this slice with shifted_exp_
-                tl.store(flag_ptr, 1)
-            part = pid_n.to(tl.int64) * M + rows
-            tl.store(part_ptr + part, tl.sum(e, axis=1), mask=in_rows)
-            tl.store(part_ptr + plane + part, tl.sum(tl.where(in_vocab, z, 0.0), axis=1), mask=in_rows)
-            target_here = in_rows & (target >= off_n) & (target < off_n + BN)
-            tl.store(target_logit_ptr + rows, tl.sum(tl.where(hit, z, 0.0), axis=1), mask=target_here)
+            e = tl.exp(z - c[:, None])
+            if LEVEL > 1:
+                target = tl.load(targets_ptr + rows, mask=in_rows, other=-1).to(tl.int32)
+                hit = cols[None, :] == target[:, None]
+                e = tl.where(hit | ~in_vocab, 0.0, e)
+                if LEVEL > 2:
+                    part = pid_n.to(tl.int64) * M + rows
+                    tl.store(part_ptr + part, tl.sum(e, axis=1), mask=in_rows)
+                    tl.store(part_ptr + plane + part, tl.sum(tl.where(in_vocab, z, 0.0), axis=1), mask=in_rows)
+                    target_here = in_rows & (target >= off_n) & (target < off_n + BN)
+                    tl.store(target_logit_ptr + rows, tl.sum(tl.where(hit, z, 0.0), axis=1), mask=target_here)
+                    if LEVEL > 3:
+                        over = tl.max(tl.where(in_vocab, z, float("-inf")), axis=1) > c + LIMIT
+                        if tl.max(over.to(tl.int32), axis=0) > 0:  # rare: the op would redo the slice the safe way
+                            tl.store(flag_ptr, 1)
             out_desc.store([off_m, off_n], e.to(out_desc.dtype))
         else:
             out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
@@ -148,9 +157,9 @@ def target_shift(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -
     return torch.bmm(x[:, None, :], w_t[:, :, None])[:, 0, 0].float()
 
 
-def logits_exp(x, weight, targets, cfg, *, exp: bool = True):
-    """``(E [C, V], (logp, row_sum, keep, inv), flag)`` of the fused path (``E`` = the logits when not ``exp``)."""
-    bm, bn, bk, group, stages, warps, ws = cfg
+def logits_exp(x, weight, targets, cfg, *, level: int = 4):
+    """``(E [C, V], (logp, row_sum, keep, inv), flag)`` of the fused path; ``level`` < 4: part of the epilogue only."""
+    bm, bn, bk, group, stages, warps, ws, persistent = cfg
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     rows, _ = x.shape
@@ -161,19 +170,20 @@ def logits_exp(x, weight, targets, cfg, *, exp: bool = True):
     part = torch.empty(2, tiles_n, rows, device=x.device, dtype=torch.float32)
     stats = torch.empty(6, rows, device=x.device, dtype=torch.float32)  # shift, target logit, the four outputs
     flag = torch.zeros(1, device=x.device, dtype=torch.int32)
-    if exp:
+    if level:
         stats[0] = target_shift(x, weight, targets)
     x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
     w_desc = TensorDescriptor.from_tensor(weight, [bn, bk])
     out_desc = TensorDescriptor(out, list(out.shape), list(out.stride()), [bm, bn])
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4  # 4: the interpreter
-    programs = min(sms, triton.cdiv(rows, bm) * tiles_n)
+    tiles = triton.cdiv(rows, bm) * tiles_n
+    programs = min(sms, tiles) if persistent else tiles
     _logits_exp_kernel[(programs,)](
         x_desc, w_desc, out_desc, stats[0], targets, part, stats[1], flag, rows, vocab, x.shape[1],
-        LIMIT=SHIFT_LIMIT, BM=bm, BN=bn, BK=bk, GROUP=group, NUM_PROGRAMS=programs, EXP=exp, WS=ws,
+        LIMIT=SHIFT_LIMIT, BM=bm, BN=bn, BK=bk, GROUP=group, NUM_PROGRAMS=programs, LEVEL=level, WS=ws,
         num_stages=stages, num_warps=warps,
     )  # fmt: skip
-    if exp:
+    if level > 2:
         _combine_kernel[(triton.cdiv(rows, COMBINE_ROWS),)](
             part, stats[1], stats[0], stats[2], stats[3], stats[4], stats[5], rows, tiles_n,
             ROWS=COMBINE_ROWS, BT=COMBINE_TILES, num_warps=4,
@@ -199,14 +209,23 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--vocab", type=int, default=128_256)
     p.add_argument("--configs", type=int, default=len(CONFIGS), help="how many of CONFIGS to try")
+    p.add_argument("--config-ids", default="", help="which of CONFIGS to try (comma-separated indices)")
+    p.add_argument("--levels", default="", help="epilogue levels 1-3 to time too (1: exp, 2: + zero, 3: + sums)")
     p.add_argument("--rep", type=int, default=400, help="ms per timing")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    args.levels = [int(lv) for lv in args.levels.split(",") if lv]
+    configs = [CONFIGS[int(i)] for i in args.config_ids.split(",")] if args.config_ids else CONFIGS[: args.configs]
     dev, dt, h, v = "cuda", torch.bfloat16, args.hidden, args.vocab
     torch.manual_seed(0)
     weight = (torch.randn(v, h, device=dev) * (2 / h**0.5)).to(dt)  # logits with std ≈ 2, as the benchmark's
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     report["names"], report["results"] = NAMES, []
+    warm = torch.randn(2046, h, device=dev, dtype=dt)
+    bench(
+        lambda warm=warm: torch.mm(warm, weight.t()), 2000
+    )  # the clocks settle under sustained load before anything is timed
+    del warm
     for c in (int(s) for s in args.tokens.split(",")):
         x = torch.randn(c, h, device=dev, dtype=dt)
         targets = torch.randint(0, v, (c,), device=dev)
@@ -220,7 +239,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"{row['op_path_ms']:.3f} ms; the shift's dot products {row['shift_ms']:.3f} ms"
         )
         row["configs"] = []
-        for cfg in CONFIGS[: args.configs]:
+        for cfg in configs:
             entry = {"config": cfg}
             try:
                 e, stats, flag = logits_exp(x, weight, targets, cfg)
@@ -229,8 +248,12 @@ def main(argv: list[str] | None = None) -> dict:
                 entry["stat_err"] = [float((a - b).abs().max()) for a, b in zip(stats, ref_stats, strict=True)]
                 del e
                 entry["gemm_ms"] = bench(
-                    lambda x=x, t=targets, cfg=cfg: logits_exp(x, weight, t, cfg, exp=False), args.rep
+                    lambda x=x, t=targets, cfg=cfg: logits_exp(x, weight, t, cfg, level=0), args.rep
                 )
+                for level in args.levels:  # the epilogue's pieces: what each costs
+                    entry[f"level{level}_ms"] = bench(
+                        lambda x=x, t=targets, cfg=cfg, lv=level: logits_exp(x, weight, t, cfg, level=lv), args.rep
+                    )
                 entry["fused_ms"] = bench(lambda x=x, t=targets, cfg=cfg: logits_exp(x, weight, t, cfg), args.rep)
             except Exception as err:  # a config that does not compile (shared memory, WS) is reported, not fatal
                 entry["error"] = f"{type(err).__name__}: {str(err)[:300]}"
@@ -239,7 +262,9 @@ def main(argv: list[str] | None = None) -> dict:
                 continue
             print(
                 f"  {cfg}: GEMM {entry['gemm_ms']:.3f} ms ({flop / entry['gemm_ms'] / 1e9:.0f} TFLOP/s, "
-                f"{entry['gemm_ms'] / row['cublas_ms']:.3f}× cuBLAS); fused {entry['fused_ms']:.3f} ms "
+                f"{entry['gemm_ms'] / row['cublas_ms']:.3f}× cuBLAS); "
+                + "".join(f"level {lv} {entry[f'level{lv}_ms']:.3f} ms; " for lv in args.levels)
+                + f"fused {entry['fused_ms']:.3f} ms "
                 f"({entry['fused_ms'] / row['op_path_ms']:.3f}× the op's path); E err {entry['e_err']:.1e}, "
                 f"logp/sum/keep/inv err " + "/".join(f"{s:.1e}" for s in entry["stat_err"]) + f", flag {entry['flag']}"
             )
