@@ -6,7 +6,7 @@
 #   steps: tests (GPU-capable tests), profile (stage timings), wrappers (FSDP2 / ZeRO-3 / LoRA / QLoRA checks),
 #          kernel (scripts/benchmark_kernel.py, every peer), kernel-long (fused, fused-lean and floor only, 1.5 s per
 #          entry: the steadier ratios), kernel-long-peers (every peer at 1 s an entry, ≈ 4 min), frozen-budgets
-#          (the frozen head at 256 / 384 / 512 MiB), e2e (scripts/benchmark_e2e.py, 1B/3B/8B + 20-step loss curves),
+#          (the frozen head at 256 / 384 / 512 MiB), trainable-budgets (the trainable head at 1 / 1.25 / 1.5 GiB), e2e (scripts/benchmark_e2e.py, 1B/3B/8B + 20-step loss curves),
 #          kernel-ab (fused-only long runs of this tree, of each version that scripts/stage_ab.sh staged under ab/
 #          (carry "ab"), then of this tree again: A/B/A),
 #          sweep-exp (scripts/sweep_shifted_exp.py: the frozen exponentials pass, piece by piece),
@@ -50,6 +50,12 @@ for what in "${steps[@]}"; do
         timeout 100 python3 scripts/benchmark_kernel.py --impls fused --workloads frozen,frozen-masked --no-accuracy \
           --no-plots --warmup 100 --rep 600 --chunk-bytes $((mib << 20)) --out "$OUT/frozen_$mib" 2>&1 \
           | grep -E "^(fused|floor) " | sed "s/^/[$mib MiB] /"
+      done ;;
+    trainable-budgets)  # the trainable head's logits budget: 1, 1.25, 1.5 GiB, fused and floor only, 1.5 s an entry
+      for mib in 1024 1280 1536; do
+        timeout 150 python3 scripts/benchmark_kernel.py --impls fused --workloads full,masked --no-accuracy \
+          --no-plots --warmup 200 --rep 1500 --chunk-bytes $((mib << 20)) --out "$OUT/trainable_$mib" 2>&1 \
+          | grep -E "^(fused|floor) |drift" | sed "s/^/[$mib MiB] /"
       done ;;
     kernel-long) timeout 300 python3 scripts/benchmark_kernel.py --impls fused,fused-lean --no-accuracy --warmup 200 --rep 1500 \
                    --out "$OUT/kernel_long" 2>&1 | grep -E "^(fused|floor) |drift" ;;

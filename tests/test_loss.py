@@ -281,3 +281,24 @@ def test_chunk_size_does_not_change_the_result():
     for a, b in itertools.pairwise(results):
         for x, y in zip(a, b, strict=True):
             torch.testing.assert_close(x, y, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize(
+    ("pair_tokens", "budget", "sizes"),
+    [
+        ([1228] * 16, 6279, [4912] * 4),  # greedy would make 5 + 5 + 5 + 1 pairs: a 6,140-token buffer
+        ([2046] * 16, 4186, [4092] * 8),  # already even
+        ([1228] * 16, 4186, [3684] * 5 + [1228]),  # 6 groups need 3 pairs somewhere: no smaller buffer exists
+        ([5000, 10, 10, 3000, 3000], 4186, [5000, 3020, 3000]),  # a pair over the budget is a group alone
+        ([0, 0], 4186, [0]),
+    ],
+)
+def test_chunk_groups_are_as_few_as_greedy_and_no_larger_than_needed(pair_tokens, budget, sizes):
+    from trl_fused_cpo.ops.plan import _pack, balanced_groups
+
+    groups = balanced_groups(pair_tokens, budget)
+    assert [g.tok_end - g.tok_start for g in groups] == sizes
+    assert len(groups) == len(_pack(pair_tokens, budget))
+    assert groups[0].pair_start == 0 and groups[-1].pair_end == len(pair_tokens)
+    for a, b in itertools.pairwise(groups):
+        assert (a.pair_end, a.tok_end) == (b.pair_start, b.tok_start)

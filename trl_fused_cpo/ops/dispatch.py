@@ -73,7 +73,7 @@ def whole_batch_tokens(vocab: int, hidden_size: int, dtype: torch.dtype, max_tok
 
     Several chunks need an fp32 dW accumulator (4 bytes per weight) beside the budget's buffer; one chunk writes
     dW in the weight dtype directly and needs no accumulator, so its logits may use the difference: at Llama-3 8B
-    a 1 GiB budget becomes 2 GiB (8,372 tokens, B = 8 of the benchmark), and one GEMM skips the fp32 pass.
+    a 1 GiB budget becomes 2 GiB (8,282 tokens: B = 8 of the benchmark), and one GEMM skips the fp32 pass.
     """
     itemsize = torch.finfo(dtype).bits // 8
     if itemsize >= 4:
