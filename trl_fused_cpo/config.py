@@ -26,8 +26,8 @@ class FusedCPOConfig(CPOConfig):
     fused_chunk_bytes: int | None = field(
         default=None,
         metadata={
-            "help": "Bytes of the one [tokens, vocab] logits buffer alive at a time (default 1 GiB with a trainable "
-            "head, 512 MiB frozen). Lower = less memory; far lower = slower GEMMs."
+            "help": "Bytes of the one [tokens, vocab] logits buffer alive at a time (default 1.5 GiB with a "
+            "trainable head, 384 MiB frozen, 1 GiB in eval). Lower = less memory; far lower = slower GEMMs."
         },
     )
     fused_memory: str = field(
