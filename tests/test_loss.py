@@ -139,12 +139,27 @@ def test_changing_incoming_gradients_are_all_applied(backend):
             torch.testing.assert_close(got.grad, scale * want.grad, rtol=1e-5, atol=1e-7)
 
 
+def test_default_budgets_put_the_benchmarks_masked_b16_batch_in_one_gemm_and_keep_the_frozen_pair_whole():
+    from trl_fused_cpo.ops.dispatch import choose_schedule
+
+    # Llama-3 8B head in bf16 (meta: no memory). Trainable: 1.5 GiB = 6,278 tokens, one GEMM up to 10,374, which
+    # holds the 40%-unlabelled B = 16 batch (9,824 tokens) but not the full one (16,368). Frozen: 384 MiB = 1,569
+    # tokens, a masked T = 1024 pair (1,228) whole. Eval: 1 GiB = 4,185.
+    weight = torch.empty(128_256, 4096, dtype=torch.bfloat16, device="meta")
+    trainable = choose_schedule(weight.requires_grad_(True), None, "fast", grad=True)
+    assert (trainable.max_tokens, trainable.whole_batch_tokens) == (6278, 10374)
+    assert 9824 <= trainable.whole_batch_tokens < 16368
+    frozen = choose_schedule(weight.detach(), None, "fast", grad=True)
+    assert frozen.max_tokens == 1569 and frozen.max_tokens >= 1228
+    assert choose_schedule(weight, None, "fast", grad=False).max_tokens == 4185
+
+
 def test_whole_batch_budget_makes_one_gemm_only_for_a_trainable_low_precision_head(monkeypatch):
     from trl_fused_cpo.ops import rows_torch
     from trl_fused_cpo.ops.dispatch import whole_batch_tokens
 
-    # Llama-3 8B: a 1 GiB budget holds 4,186 tokens; one GEMM needs no 2 GiB fp32 accumulator, so it may hold 8,282.
-    assert whole_batch_tokens(128_256, 4096, torch.bfloat16, 4186) == 4186 + 4096
+    # Llama-3 8B: a 1 GiB budget holds 4,185 tokens; one GEMM needs no 2 GiB fp32 accumulator, so it may hold 8,281.
+    assert whole_batch_tokens(128_256, 4096, torch.bfloat16, 4185) == 4185 + 4096
     assert whole_batch_tokens(128_256, 4096, torch.float32, 2093) == 2093
     hidden, weight, _, labels = make_batch(4, 9, 5, 17, dtype=torch.float32)
     n = int((labels != -100).sum())
@@ -286,11 +301,11 @@ def test_chunk_size_does_not_change_the_result():
 @pytest.mark.parametrize(
     ("pair_tokens", "budget", "sizes"),
     [
-        ([1228] * 16, 6279, [4912] * 4),  # greedy would make 5 + 5 + 5 + 1 pairs: a 6,140-token buffer
-        ([2046] * 16, 4186, [4092] * 8),  # already even
-        ([1228] * 16, 4186, [3684] * 5 + [1228]),  # 6 groups need 3 pairs somewhere: no smaller buffer exists
-        ([5000, 10, 10, 3000, 3000], 4186, [5000, 3020, 3000]),  # a pair over the budget is a group alone
-        ([0, 0], 4186, [0]),
+        ([1228] * 16, 6278, [4912] * 4),  # greedy would make 5 + 5 + 5 + 1 pairs: a 6,140-token buffer
+        ([2046] * 16, 4185, [4092] * 8),  # already even
+        ([1228] * 16, 4185, [3684] * 5 + [1228]),  # 6 groups need 3 pairs somewhere: no smaller buffer exists
+        ([5000, 10, 10, 3000, 3000], 4185, [5000, 3020, 3000]),  # a pair over the budget is a group alone
+        ([0, 0], 4185, [0]),
     ],
 )
 def test_chunk_groups_are_as_few_as_greedy_and_no_larger_than_needed(pair_tokens, budget, sizes):

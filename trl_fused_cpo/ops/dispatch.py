@@ -11,7 +11,7 @@ from ..loss import CPOHyperparams, CPOLossOutput
 from . import rows_torch
 from .function import Chunks, LinearCPOFunction, Slabs
 
-# Trainable: 1.5 GiB (6,279 Llama-3 tokens) puts a 40%-masked B = 16 batch in one GEMM (whole_batch_tokens): measured
+# Trainable: 1.5 GiB (6,278 Llama-3 tokens) puts a 40%-masked B = 16 batch in one GEMM (whole_batch_tokens): measured
 # 47.9 against 49.6 ms at 1 GiB, 3.61 GiB peak; the full B = 16 batch runs 3 chunks instead of 4, same time, 3.68 GiB.
 DEFAULT_CHUNK_BYTES_TRAINABLE = 3 << 29
 # Frozen: a pair may be split at little cost (function.py). 384 MiB (1,569 tokens of Llama-3 logits) holds a masked
@@ -75,7 +75,7 @@ def whole_batch_tokens(vocab: int, hidden_size: int, dtype: torch.dtype, max_tok
 
     Several chunks need an fp32 dW accumulator (4 bytes per weight) beside the budget's buffer; one chunk writes
     dW in the weight dtype directly and needs no accumulator, so its logits may use the difference: at Llama-3 8B
-    the default 1.5 GiB budget (6,279 tokens) becomes 2.5 GiB (10,375 tokens: the 40%-masked B = 16 batch of the
+    the default 1.5 GiB budget (6,278 tokens) becomes 2.5 GiB (10,374 tokens: the 40%-masked B = 16 batch of the
     benchmark), and one GEMM skips the fp32 pass.
     """
     itemsize = torch.finfo(dtype).bits // 8

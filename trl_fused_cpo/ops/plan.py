@@ -151,7 +151,7 @@ def _pack(pair_tokens: list[int], capacity: int) -> list[ChunkGroup]:
 
 
 def balanced_groups(pair_tokens: list[int], max_tokens: int) -> list[ChunkGroup]:
-    """As few groups as the budget allows, as even as possible: 16 pairs of 1,228 tokens in a 6,279-token budget are
+    """As few groups as the budget allows, as even as possible: 16 pairs of 1,228 tokens in a 6,278-token budget are
     4 + 4 + 4 + 4 pairs, not 5 + 5 + 5 + 1, so the logits buffer (sized for the largest group) is 20% smaller.
 
     Greedy packing gives the fewest contiguous groups; the smallest capacity that still gives that many is found
