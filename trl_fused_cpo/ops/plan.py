@@ -155,13 +155,16 @@ def balanced_groups(pair_tokens: list[int], max_tokens: int) -> list[ChunkGroup]
     4 + 4 + 4 + 4 pairs, not 5 + 5 + 5 + 1, so the logits buffer (sized for the largest group) is 20% smaller.
 
     Greedy packing gives the fewest contiguous groups; the smallest capacity that still gives that many is found
-    by bisection (the group count only falls as the capacity grows). Host work: O(pairs · log tokens).
+    by bisection (the group count only falls as the capacity grows), between the mean and greedy's largest group:
+    no search at all for one group or groups already even, since this runs between the plan's sync and the first
+    GEMM. Host work: O(pairs · log(largest − mean)).
     """
     groups = _pack(pair_tokens, max_tokens)
     count, total = len(groups), sum(pair_tokens)
-    lo, hi = -(-total // count), max_tokens  # no capacity under the mean fits in `count` groups
-    if lo >= hi:
+    lo = -(-total // count)  # no capacity under the mean fits in `count` groups
+    if lo >= max_tokens:
         return groups
+    hi = min(max_tokens, max(g.tok_end - g.tok_start for g in groups))  # greedy's own groups fit: feasible
     while lo < hi:
         mid = (lo + hi) // 2
         if len(_pack(pair_tokens, mid)) <= count:
