@@ -6,7 +6,8 @@
 #   steps: tests (GPU-capable tests), profile (stage timings), wrappers (FSDP2 / ZeRO-3 / LoRA / QLoRA checks),
 #          kernel (scripts/benchmark_kernel.py, every peer), kernel-long (fused, fused-lean and floor only, 1.5 s per
 #          entry: the steadier ratios), kernel-long-peers (every peer at 1 s an entry, ≈ 4 min), frozen-budgets
-#          (the frozen head at 256 / 384 / 512 MiB), trainable-budgets (the trainable head at 1 / 1.25 / 1.5 GiB), e2e (scripts/benchmark_e2e.py, 1B/3B/8B + 20-step loss curves),
+#          (the frozen head at 256 / 384 / 512 MiB), trainable-budgets (the trainable head at 1 / 1.25 / 1.5 GiB),
+#          e2e (scripts/benchmark_e2e.py, 1B/3B/8B + 20-step loss curves),
 #          kernel-ab (fused-only long runs of this tree, of each version that scripts/stage_ab.sh staged under ab/
 #          (carry "ab"), then of this tree again: A/B/A),
 #          sweep-exp (scripts/sweep_shifted_exp.py: the frozen exponentials pass, piece by piece),

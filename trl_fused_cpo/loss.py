@@ -196,8 +196,8 @@ def fused_linear_cpo_loss(
         ignore_index: label value of unlabelled positions.
         backend: ``"triton"`` (fused kernels, CUDA), ``"torch"`` (chunked torch ops, any device) or ``"auto"``.
         chunk_bytes: budget for the one ``[tokens, V]`` logits buffer that exists at a time (default: 1.5 GiB
-            with a trainable weight, 1 GiB under ``torch.no_grad()``, 384 MiB with a frozen one). Smaller saves memory; much
-            smaller costs speed. A pair longer than the budget has its logits computed twice. With
+            with a trainable weight, 1 GiB under ``torch.no_grad()``, 384 MiB with a frozen one). Smaller saves
+            memory; much smaller costs speed. A pair longer than the budget has its logits computed twice. With
             ``memory="lean"``: the logits of one vocabulary slab over all tokens (default 256 MiB).
         memory: ``"fast"`` (three products per token; past one chunk, an fp32 accumulator for the weight
             gradient: 2 GiB at Llama-3 8B) or ``"lean"`` (vocabulary slabs, the logits computed twice, no
