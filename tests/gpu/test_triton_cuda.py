@@ -148,3 +148,22 @@ def test_large_vocab_rows_past_int32():
     lse_ref, tgt_ref, _ = rows_torch.logsumexp_target(logits[-64:], t[-64:])
     torch.testing.assert_close(lse[-64:], lse_ref, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(tgt[-64:], tgt_ref)
+
+
+def test_plan_counts_after_a_busy_queue():
+    """The plan reads its counts only once the GPU wrote them: each batch queued behind a long matmul (so the
+    counts are late) and with its own mask gives the plan that the CPU computes from the same labels."""
+    from trl_fused_cpo.ops import plan, rows_torch, rows_triton
+
+    busy = torch.randn(4096, 4096, device="cuda")
+    for seed in range(4):
+        *_, labels = make_batch(6, 257, 8, 1000, dtype=torch.float32, device="cuda", seed=seed)
+        args = dict(ignore_index=-100, vocab_size=1000, max_tokens=300)
+        for _ in range(3):
+            busy = busy @ busy / 64  # ≈ 0.4 ms queued ahead of the counts
+        on_gpu = plan.plan_tokens(labels, ops=rows_triton, **args)
+        on_cpu = plan.plan_tokens(labels.cpu(), ops=rows_torch, **args)
+        assert on_gpu.row_counts_host == on_cpu.row_counts_host
+        assert on_gpu.groups == on_cpu.groups
+        torch.testing.assert_close(on_gpu.token_index.cpu(), on_cpu.token_index)
+        torch.testing.assert_close(on_gpu.targets.cpu(), on_cpu.targets)
