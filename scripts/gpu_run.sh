@@ -26,7 +26,9 @@ OUT=${OUT:-outputs/gpu}; mkdir -p "$OUT"
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests profile)
 for what in "${steps[@]}"; do
   case $what in
-    tests) python3 -m pytest -q tests/gpu tests/ops tests/test_loss.py tests/test_lean.py tests/test_edge_cases.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt" ;;
+    tests)  # the whole log goes to $OUT as it is written, so a call cut off by its limit still returns progress
+      python3 -m pytest -q -rfE tests/gpu tests/ops tests/test_loss.py tests/test_lean.py tests/test_edge_cases.py \
+        > "$OUT/gpu_tests.txt" 2>&1; tail -25 "$OUT/gpu_tests.txt" ;;
     wrappers)
       run_check() { local name=$1; shift; timeout 240 "$@" 2>&1 | grep -E "^CHECK|Error|error" | tail -4 | sed "s/^/[$name] /" | tee -a "$OUT/wrappers.txt"; }
       run_check none python3 scripts/check_wrappers.py --check parity
@@ -63,7 +65,8 @@ for what in "${steps[@]}"; do
     kernel-long-peers)  # every peer at 1 s an entry (≈ 4 min): the side-by-side run with steadier ratios
       timeout 420 python3 scripts/benchmark_kernel.py --impls fused,fused-lean,torch,liger,trl-chunked,cce --no-accuracy \
         --warmup 150 --rep 1000 --out "$OUT/kernel_long_peers" 2>&1 | grep -E "^(fused|floor|torch|liger|trl-chunked|cce) |drift" ;;
-    kernel-ab)  # ≈ 90 s a run: A (this tree), B (each ab/<rev>), A again; JSON under $OUT/ab_<label>
+    kernel-ab)  # ≈ 115–130 s a run: A (this tree), B (each ab/<rev>), A again; JSON under $OUT/ab_<label>. Two
+      # staged versions make four runs (≈ 500 s): leave "tests" to another call, and mind the 8 files a call returns.
       ab_run() { echo "[$1] code: $2"; PYTHONPATH=/tmp/site:$2 TRL_FUSED_CPO_COMMIT=$1 timeout 200 python3 \
                    scripts/benchmark_kernel.py --impls fused --no-accuracy --no-plots --warmup 200 --rep 1500 \
                    --out "$OUT/ab_$1" 2>&1 | grep -E "^(fused|floor) " | sed "s/^/[$1] /"; }
