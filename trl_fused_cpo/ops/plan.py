@@ -162,9 +162,9 @@ def balanced_groups(pair_tokens: list[int], max_tokens: int) -> list[ChunkGroup]
     groups = _pack(pair_tokens, max_tokens)
     count, total = len(groups), sum(pair_tokens)
     lo = -(-total // count)  # no capacity under the mean fits in `count` groups
-    if lo >= max_tokens:
-        return groups
     hi = min(max_tokens, max(g.tok_end - g.tok_start for g in groups))  # greedy's own groups fit: feasible
+    if lo >= hi:  # greedy at `hi` packs the very same groups (each stops where it stopped at `max_tokens`)
+        return groups
     while lo < hi:
         mid = (lo + hi) // 2
         if len(_pack(pair_tokens, mid)) <= count:
