@@ -163,15 +163,16 @@ def balanced_groups(pair_tokens: list[int], max_tokens: int) -> list[ChunkGroup]
     count, total = len(groups), sum(pair_tokens)
     lo = -(-total // count)  # no capacity under the mean fits in `count` groups
     hi = min(max_tokens, max(g.tok_end - g.tok_start for g in groups))  # greedy's own groups fit: feasible
-    if lo >= hi:  # greedy at `hi` packs the very same groups (each stops where it stopped at `max_tokens`)
-        return groups
+    # `groups` is greedy's packing at `hi` too (each group stops where it stopped at `max_tokens`), so it stands for
+    # the packing at `hi` until a smaller feasible capacity is found: no pack is ever computed twice.
     while lo < hi:
         mid = (lo + hi) // 2
-        if len(_pack(pair_tokens, mid)) <= count:
-            hi = mid
+        packed = _pack(pair_tokens, mid)
+        if len(packed) <= count:
+            hi, groups = mid, packed
         else:
             lo = mid + 1
-    return _pack(pair_tokens, hi)
+    return groups
 
 
 def first_slice_bound(num_positions: int, max_tokens: int, whole_batch_tokens: int | None) -> int:
