@@ -3,12 +3,14 @@
 # for several steps, point OUT at a scratch folder and tar it into the real $OUT). The machine's copy of .git can be
 # stale: put TRL_FUSED_CPO_COMMIT=<the commit> in front of the command so the kernel JSON names the code measured.
 #   (on the GPU machine) bash scripts/gpu_run.sh [step...]
-#   steps: tests (GPU-capable tests), profile (stage timings), wrappers (FSDP2 / ZeRO-3 / LoRA / QLoRA checks),
+#   steps: tests (GPU-capable tests), tests-cuda (tests/gpu alone, ≈ 40 s: the CUDA-only checks first when device
+#          time is short), profile (stage timings), wrappers (FSDP2 / ZeRO-3 / LoRA / QLoRA checks),
 #          kernel (scripts/benchmark_kernel.py, every peer), kernel-long (fused, fused-lean and floor only, 1.5 s per
 #          entry: the steadier ratios), kernel-long-peers (every peer at 1 s an entry, ≈ 4 min), frozen-budgets
 #          (the frozen head at 256 / 384 / 512 MiB), trainable-budgets (the trainable head at 1 / 1.25 / 1.5 GiB),
 #          e2e (scripts/benchmark_e2e.py, 1B/3B/8B + 20-step loss curves),
-#          kernel-ab (fused-only long runs of this tree, of each version that scripts/stage_ab.sh staged under ab/
+#          kernel-b2 (fused and floor only, B = 2, every workload, 1 s an entry, ≈ 40 s: the fixed-cost-bound
+#          entries nearest 1.10×), kernel-ab (fused-only long runs of this tree, of each version that scripts/stage_ab.sh staged under ab/
 #          (carry "ab"), then of this tree again: A/B/A),
 #          sweep-exp (scripts/sweep_shifted_exp.py: the frozen exponentials pass, piece by piece),
 #          sweep-epilogue (scripts/sweep_exp_epilogue.py: the frozen exponentials in a Triton GEMM's epilogue),
@@ -29,6 +31,8 @@ for what in "${steps[@]}"; do
     tests)  # the whole log goes to $OUT as it is written, so a call cut off by its limit still returns progress
       python3 -m pytest -q -rfE tests/gpu tests/ops tests/test_loss.py tests/test_lean.py tests/test_edge_cases.py \
         > "$OUT/gpu_tests.txt" 2>&1; tail -25 "$OUT/gpu_tests.txt" ;;
+    tests-cuda)
+      python3 -m pytest -q -rfE tests/gpu > "$OUT/gpu_tests_cuda.txt" 2>&1; tail -8 "$OUT/gpu_tests_cuda.txt" ;;
     wrappers)
       run_check() { local name=$1; shift; timeout 240 "$@" 2>&1 | grep -E "^CHECK|Error|error" | tail -4 | sed "s/^/[$name] /" | tee -a "$OUT/wrappers.txt"; }
       run_check none python3 scripts/check_wrappers.py --check parity
@@ -62,6 +66,8 @@ for what in "${steps[@]}"; do
       done ;;
     kernel-long) timeout 300 python3 scripts/benchmark_kernel.py --impls fused,fused-lean --no-accuracy --warmup 200 --rep 1500 \
                    --out "$OUT/kernel_long" 2>&1 | grep -E "^(fused|floor) |drift" ;;
+    kernel-b2) timeout 120 python3 scripts/benchmark_kernel.py --impls fused --no-accuracy --no-plots --batch-sizes 2 \
+                 --warmup 150 --rep 1000 --out "$OUT/kernel_b2" 2>&1 | grep -E "^(fused|floor) |drift" ;;
     kernel-long-peers)  # every peer at 1 s an entry (≈ 4 min): the side-by-side run with steadier ratios
       timeout 420 python3 scripts/benchmark_kernel.py --impls fused,fused-lean,torch,liger,trl-chunked,cce --no-accuracy \
         --warmup 150 --rep 1000 --out "$OUT/kernel_long_peers" 2>&1 | grep -E "^(fused|floor|torch|liger|trl-chunked|cce) |drift" ;;
