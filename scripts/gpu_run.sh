@@ -10,8 +10,8 @@
 #          (the frozen head at 256 / 384 / 512 MiB), trainable-budgets (the trainable head at 1 / 1.25 / 1.5 GiB),
 #          e2e (scripts/benchmark_e2e.py, 1B/3B/8B + 20-step loss curves),
 #          kernel-b2 (fused and floor only, B = 2, every workload, 1 s an entry, ≈ 40 s: the fixed-cost-bound
-#          entries nearest 1.10×), kernel-ab (fused-only long runs of this tree, of each version that scripts/stage_ab.sh staged under ab/
-#          (carry "ab"), then of this tree again: A/B/A),
+#          entries nearest 1.10×), kernel-ab (fused-only long runs of this tree, of each version that
+#          scripts/stage_ab.sh staged under ab/ (carry "ab"), then of this tree again: A/B/A),
 #          sweep-exp (scripts/sweep_shifted_exp.py: the frozen exponentials pass, piece by piece),
 #          sweep-epilogue (scripts/sweep_exp_epilogue.py: the frozen exponentials in a Triton GEMM's epilogue),
 #          probe-frozen (scripts/probe_frozen_schedules.py: a frozen call's time by stage, token slices vs slabs),

@@ -84,7 +84,7 @@ def _worker(rank: int, store: str, grouping: str, tie: bool, memory: str, out: s
         dist.destroy_process_group()
     # Done: leave without interpreter finalisation. There, gloo's worker threads can still hold FSDP2's async work
     # and its tensors, whose destruction aborts the process ("terminate called without an active exception",
-    # SIGABRT): about 1 run in 10 of this file on 2 loaded cores, after every result was written. A rank that fails
+    # SIGABRT): 1 run in 24 of this file on 2 loaded cores, after every result was written. A rank that fails
     # raises above and never gets here, so its error still reaches mp.spawn.
     sys.stdout.flush()
     sys.stderr.flush()
