@@ -84,13 +84,25 @@ class LabelLayout:
     token_index: torch.Tensor
     token_row: torch.Tensor
     targets: torch.Tensor
+    counts_host: torch.Tensor | None = None  # on CUDA: pinned, filled by a copy queued right after the counts
+    counts_ready: torch.cuda.Event | None = None  # recorded after that copy
 
 
 def lay_out_labels(labels: torch.Tensor, *, ignore_index: int, vocab_size: int, ops: ModuleType) -> LabelLayout:
-    """Queue the label counts and the pair-ordered compaction: no host synchronisation."""
+    """Queue the label counts and the pair-ordered compaction: no host synchronisation.
+
+    On CUDA the counts are copied to pinned host memory as soon as they exist, behind an event: the plan's sync
+    then waits for them only, not for the compaction and the gathers queued after, which run while the host plans.
+    """
     counts = ops.label_counts(labels, ignore_index, vocab_size)
+    counts_host = counts_ready = None
+    if counts.is_cuda:
+        counts_host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+        counts_host.copy_(counts, non_blocking=True)
+        counts_ready = torch.cuda.Event()
+        counts_ready.record()
     token_index, token_row, targets = ops.compact_labels(labels, counts[0], labels.numel(), ignore_index)
-    return LabelLayout(counts, token_index, token_row, targets)
+    return LabelLayout(counts, token_index, token_row, targets, counts_host, counts_ready)
 
 
 def plan_tokens(
@@ -118,7 +130,11 @@ def plan_tokens(
         layout = lay_out_labels(labels, ignore_index=ignore_index, vocab_size=vocab_size, ops=ops)
     rows = labels.shape[0]
     num_pairs = rows // 2
-    host = layout.counts.tolist()  # the one sync
+    if layout.counts_ready is not None:  # the one sync
+        layout.counts_ready.synchronize()
+        host = layout.counts_host.tolist()
+    else:
+        host = layout.counts.tolist()
     row_counts_host, num_bad = host[0], sum(host[1])
     if num_bad:
         mask = labels != ignore_index
