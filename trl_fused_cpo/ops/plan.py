@@ -100,7 +100,9 @@ def lay_out_labels(labels: torch.Tensor, *, ignore_index: int, vocab_size: int, 
         counts_host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
         counts_host.copy_(counts, non_blocking=True)
         counts_ready = torch.cuda.Event()
-        counts_ready.record()
+        # On the counts' device, where the copy was queued: the current device may be another one (the torch backend
+        # runs on any device), and an event there would not wait for the copy.
+        counts_ready.record(torch.cuda.current_stream(counts.device))
     token_index, token_row, targets = ops.compact_labels(labels, counts[0], labels.numel(), ignore_index)
     return LabelLayout(counts, token_index, token_row, targets, counts_host, counts_ready)
 
