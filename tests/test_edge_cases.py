@@ -193,3 +193,28 @@ def test_property_triton_backend_equals_torch_backend(pairs, seq_len, v, seed):
         b = fused_linear_cpo_loss(hidden, weight, labels, backend="triton")
     torch.testing.assert_close(b.loss, a.loss, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(b.chosen_logps, a.chosen_logps, rtol=1e-5, atol=1e-4)
+
+
+def test_auto_backend_keeps_float64_off_the_float32_kernels():
+    """The Triton kernels compute in float32: float64 inputs on CUDA get the torch backend (float64 throughout)."""
+    from trl_fused_cpo.ops.dispatch import resolve_backend
+
+    cuda = torch.device("cuda", 0)
+    assert resolve_backend("auto", cuda, torch.float64) == "torch"
+    assert resolve_backend("auto", cuda, torch.bfloat16) == "triton"
+    with pytest.raises(ValueError, match="float64"):
+        resolve_backend("triton", cuda, torch.float64)
+
+
+def test_triton_backend_takes_a_frozen_non_contiguous_weight():
+    """The torch backend took it; the Triton backend refused ("frozen_dx_ needs contiguous ... weight")."""
+    hidden, weight, _, labels = make_batch(4, 9, 8, 37, dtype=torch.float32)
+    strided = weight.t().contiguous().t()  # same values, column-major
+    assert not strided.is_contiguous()
+    outs = []
+    for backend, w in (("torch", weight), ("triton", strided)):
+        h = hidden.clone().requires_grad_(True)
+        out = fused_linear_cpo_loss(h, w, labels, backend=backend)
+        outs.append((out.loss, torch.autograd.grad(out.loss, h)[0]))
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-4, atol=1e-6)

@@ -317,3 +317,41 @@ def test_chunk_groups_are_as_few_as_greedy_and_no_larger_than_needed(pair_tokens
     assert groups[0].pair_start == 0 and groups[-1].pair_end == len(pair_tokens)
     for a, b in itertools.pairwise(groups):
         assert (a.pair_end, a.tok_end) == (b.pair_start, b.tok_start)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_double_backward_is_refused(backend):
+    """The gradients are computed in the forward: a second-order product would silently miss the fused term."""
+    hidden, weight, _, labels = make_batch(4, 9, 5, 17, dtype=torch.float32)
+    hidden.requires_grad_(True)
+    out = fused_linear_cpo_loss(hidden, weight, labels, backend=backend)
+    with pytest.raises(RuntimeError, match="twice|second-order|create_graph"):
+        torch.autograd.grad(out.loss + (hidden**2).sum(), hidden, create_graph=True)
+
+
+@pytest.mark.parametrize("memory", ["fast", "lean"])
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
+def test_caller_autocast_is_honoured(memory, frozen):
+    """Under the caller's autocast the op computes as lm_head would (in the autocast dtype), as the trainer does.
+
+    Was: ``index_copy_(): ... Float and BFloat16`` with an fp32 trainable head and memory="fast"."""
+    hidden, weight, bias, labels = make_batch(4, 9, 16, 33, dtype=torch.float32)
+    results = []
+    for autocast in (True, False):
+        leaves = [hidden.clone().requires_grad_(True), weight.clone().requires_grad_(not frozen), bias.clone()]
+        if autocast:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = fused_linear_cpo_loss(*leaves[:2], labels, bias=leaves[2], backend="torch", memory=memory)
+        else:  # what autocast means for a linear layer: its inputs in bf16
+            cast = [t.to(torch.bfloat16) for t in leaves]
+            out = fused_linear_cpo_loss(*cast[:2], labels, bias=cast[2], backend="torch", memory=memory)
+        out.loss.backward()
+        grads = [t.grad for t in leaves[:2] if t.requires_grad]
+        results.append((out, grads))
+    (got, got_grads), (want, want_grads) = results
+    assert got.loss.dtype == want.loss.dtype == torch.bfloat16
+    torch.testing.assert_close(got.loss, want.loss, rtol=0, atol=0)
+    torch.testing.assert_close(got.chosen_logps, want.chosen_logps, rtol=0, atol=0)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
