@@ -13,7 +13,7 @@ the loss of every step, then writes ``results.json`` and the plots into ``--out`
     python scripts/benchmark_e2e.py --model llama3.2-1b --curve-steps 20     # + a 20-step loss-curve comparison
     python scripts/benchmark_e2e.py --model toy --micro-batches 2 --steps 2  # CPU smoke test (CI)
 
-Data. ``CPOTrainer.__init__`` always runs ``tokenize_row`` over the text columns (there is no pre-tokenized input
+Data (``bench_common.py``, shared with ``make_random_checkpoint.py``). ``CPOTrainer.__init__`` always runs ``tokenize_row`` over the text columns (there is no pre-tokenized input
 path), so the text is made to tokenize to known ids: an in-process ``tokenizers`` WordLevel tokenizer over the 128,256
 words ``t0`` ... ``t128255`` (bos ``t128000``, eos ``t128001``, pad ``t128004``, as Llama 3's ids) maps the text
 ``"t5 t17 ..."`` to ``[5, 17, ...]`` at ~1 ms per 1,000 tokens. Content ids are drawn below 128,000 so no text ever
@@ -33,13 +33,7 @@ measured runs of a model, each trainer runs 2 untimed steps once (``--no-process
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import gc
-import json
 import math
-import os
-import platform
-import random
 import statistics
 import sys
 import tempfile
@@ -47,143 +41,14 @@ import time
 import traceback
 from pathlib import Path
 
-os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import bench_common as bc
+import torch
+from bench_common import GIB, MODELS, build_model, free_memory, is_oom, rows_for, tokenizer_for
 
-import torch  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-import trl_fused_cpo  # noqa: E402  (sets TRL_EXPERIMENTAL_SILENCE before trl.experimental imports)
-
-GIB = 1024**3
-LLAMA3_VOCAB = 128_256
-LLAMA3_BOS, LLAMA3_EOS, LLAMA3_PAD, LLAMA3_UNK = 128_000, 128_001, 128_004, 128_002
-CONTENT_VOCAB = 128_000  # content ids stay below the special/reserved range
-
-# Llama-3 family shapes (config.json of the public checkpoints); weights are random.
-_LLAMA32_ROPE = {
-    "rope_type": "llama3",
-    "rope_theta": 500_000.0,
-    "factor": 32.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-}
-LORA_ALL_LINEAR = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": "all-linear"}
-MODELS: dict[str, dict] = {
-    "toy": {"toy": True, "lora": None, "max_length": 128},
-    "llama3.2-1b": {
-        "config": dict(
-            hidden_size=2048,
-            num_hidden_layers=16,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=64,
-            intermediate_size=8192,
-            tie_word_embeddings=True,
-            max_position_embeddings=131_072,
-            rope_parameters=_LLAMA32_ROPE,
-        ),
-        "lora": None,  # full fine-tune
-        "label": "Llama-3.2-1B, full fine-tune",
-    },
-    "llama3.2-3b": {
-        "config": dict(
-            hidden_size=3072,
-            num_hidden_layers=28,
-            num_attention_heads=24,
-            num_key_value_heads=8,
-            head_dim=128,
-            intermediate_size=8192,
-            tie_word_embeddings=True,
-            max_position_embeddings=131_072,
-            rope_parameters=_LLAMA32_ROPE,
-        ),
-        "lora": LORA_ALL_LINEAR,
-        "label": "Llama-3.2-3B, LoRA r=16 all linear",
-    },
-    "llama3-8b": {
-        "config": dict(
-            hidden_size=4096,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-            intermediate_size=14_336,
-            tie_word_embeddings=False,
-            max_position_embeddings=8192,
-            rope_parameters={"rope_type": "default", "rope_theta": 500_000.0},
-        ),
-        "lora": LORA_ALL_LINEAR,
-        "label": "Llama-3-8B, LoRA r=16 all linear",
-    },
-}
 TRAINERS = ("stock", "fused")
 
 
 # ----------------------------------------------------------------------------------------------------------- data
-
-
-_TOKENIZER_CACHE: dict[str, object] = {}
-
-
-def synthetic_tokenizer():
-    """A fast tokenizer whose text ``"t5 t17"`` is ids ``[5, 17]``, over Llama 3's 128,256 ids (built once)."""
-    if "llama3" not in _TOKENIZER_CACHE:
-        from tokenizers import Tokenizer, models, pre_tokenizers
-        from transformers import PreTrainedTokenizerFast
-
-        vocab = {f"t{i}": i for i in range(LLAMA3_VOCAB)}
-        tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=f"t{LLAMA3_UNK}"))
-        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        _TOKENIZER_CACHE["llama3"] = PreTrainedTokenizerFast(
-            tokenizer_object=tok,
-            bos_token=f"t{LLAMA3_BOS}",
-            eos_token=f"t{LLAMA3_EOS}",
-            pad_token=f"t{LLAMA3_PAD}",
-            unk_token=f"t{LLAMA3_UNK}",
-        )
-    return _TOKENIZER_CACHE["llama3"]
-
-
-def synthetic_pairs(
-    n: int,
-    seed: int,
-    prompt_len: tuple[int, int] = (100, 400),
-    completion_len: tuple[int, int] = (100, 600),
-    worst_case: bool = False,
-) -> list[dict[str, str]]:
-    """``n`` preference rows of random content tokens; lengths uniform in the ranges (the maxima if worst_case)."""
-    rng = random.Random(seed)
-
-    def words(k: int) -> str:
-        return " ".join(f"t{rng.randrange(CONTENT_VOCAB)}" for _ in range(k))
-
-    def length(lo_hi: tuple[int, int]) -> int:
-        return lo_hi[1] if worst_case else rng.randint(*lo_hi)
-
-    rows = []
-    for _ in range(n):
-        prompt = words(length(prompt_len))
-        # The leading space keeps "prompt + chosen" splitting at the boundary (TRL tokenizes the concatenation).
-        rows.append(
-            {
-                "prompt": prompt,
-                "chosen": " " + words(length(completion_len)),
-                "rejected": " " + words(length(completion_len)),
-            }
-        )
-    return rows
-
-
-def toy_pairs(n: int, seed: int, worst_case: bool = False) -> list[dict[str, str]]:
-    from trl_fused_cpo.toy import load_toy_preferences
-
-    rows = load_toy_preferences("train")
-    if worst_case:
-        rows = sorted(rows, key=lambda r: -(len(r["prompt"]) + max(len(r["chosen"]), len(r["rejected"]))))[:1]
-    return [rows[i % len(rows)] for i in range(n)]
 
 
 class CountingCollator:
@@ -211,34 +76,6 @@ class CountingCollator:
 # ---------------------------------------------------------------------------------------------------------- model
 
 
-def build_model(name: str, device: torch.device, seed: int):
-    """A random-init model of the named shape, built directly on ``device`` (bf16 on CUDA)."""
-    torch.manual_seed(seed)
-    spec = MODELS[name]
-    if spec.get("toy"):
-        from trl_fused_cpo.toy import toy_model
-
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        return toy_model(seed=seed, dtype=dtype).to(device)
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    config = LlamaConfig(
-        vocab_size=LLAMA3_VOCAB,
-        hidden_act="silu",
-        rms_norm_eps=1e-5,
-        attention_bias=False,
-        mlp_bias=False,
-        bos_token_id=LLAMA3_BOS,
-        eos_token_id=LLAMA3_EOS,
-        pad_token_id=LLAMA3_PAD,
-        **spec["config"],
-    )
-    config.dtype = torch.bfloat16
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    return model
-
-
 def peft_config_for(name: str):
     lora = MODELS[name]["lora"]
     if lora is None:
@@ -248,41 +85,11 @@ def peft_config_for(name: str):
     return LoraConfig(task_type="CAUSAL_LM", **lora)
 
 
-def tokenizer_for(name: str):
-    if MODELS[name].get("toy"):
-        from trl_fused_cpo.toy import toy_tokenizer
-
-        return toy_tokenizer()
-    return synthetic_tokenizer()
-
-
-def rows_for(name: str, n: int, seed: int, worst_case: bool = False) -> list[dict[str, str]]:
-    if MODELS[name].get("toy"):
-        return toy_pairs(n, seed, worst_case=worst_case)
-    return synthetic_pairs(n, seed, worst_case=worst_case)
-
-
 # ------------------------------------------------------------------------------------------------------- running
 
 
 def _cuda(device: torch.device) -> bool:
     return device.type == "cuda"
-
-
-def free_memory(device: torch.device) -> None:
-    gc.collect()
-    if _cuda(device):
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
-
-def is_oom(exc: BaseException) -> bool:
-    if isinstance(exc, torch.cuda.OutOfMemoryError):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and (
-        "out of memory" in text.lower() or "CUBLAS_STATUS_ALLOC_FAILED" in text or "CUDNN_STATUS_ALLOC_FAILED" in text
-    )
 
 
 def make_step_timer(device: torch.device):
@@ -512,32 +319,6 @@ def find_max_batch(model_name: str, kind: str, args, device: torch.device) -> di
 # ------------------------------------------------------------------------------------------------------ reporting
 
 
-def versions() -> dict:
-    from importlib import metadata
-
-    out = {"python": platform.python_version(), "trl_fused_cpo": trl_fused_cpo.__version__}
-    for pkg in ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "triton", "tokenizers"):
-        try:
-            out[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            out[pkg] = None
-    out["torch_cuda"] = torch.version.cuda
-    return out
-
-
-def device_info(device: torch.device) -> dict:
-    if not _cuda(device):
-        return {"name": f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)", "cuda": False}
-    props = torch.cuda.get_device_properties(device)
-    return {
-        "name": props.name,
-        "cuda": True,
-        "capability": f"{props.major}.{props.minor}",
-        "total_memory_gib": props.total_memory / GIB,
-        "count": torch.cuda.device_count(),
-    }
-
-
 def compare(runs: list[dict]) -> list[dict]:
     """fused vs stock at each (model, micro-batch): speed and memory ratios, loss agreement, identical batches."""
     out = []
@@ -636,13 +417,8 @@ def print_table(runs: list[dict], comparisons: list[dict], max_batch: dict) -> N
 
 
 def write_plots(results: dict, out: Path) -> list[str]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plots written (results.json has every number).")
+    plt = bc.pyplot()
+    if plt is None:
         return []
     written = []
     runs = [r for r in results["runs"] if r["ok"]]
@@ -797,12 +573,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    info = device_info(device)
     results: dict = {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "device": info,
-        "gpu": info["name"],
-        "versions": versions(),
+        **bc.run_record(device),
         "args": {k: v for k, v in vars(args).items()},
         "definitions": {
             "step_s": "median over the timed steps of on_step_begin..on_step_end (cuda-synchronized)",
@@ -816,7 +588,7 @@ def main(argv=None) -> int:
         "curves": [],
         "max_batch": {},
     }
-    print(f"device: {info['name']}; versions: {results['versions']}", flush=True)
+    print(f"device: {results['device']}; versions: {results['versions']}", flush=True)
 
     steps_total = args.warmup + args.steps
     for model in args.models:
@@ -889,8 +661,7 @@ def main(argv=None) -> int:
             )
     results["total_wall_s"] = time.perf_counter() - t0
     print_table(results["runs"], results["comparisons"], results["max_batch"])
-    with open(out / "results.json", "w") as f:
-        json.dump(results, f, indent=1, default=str)
+    bc.write_json(out / "results.json", results)
     plots = write_plots(results, out)
     print(
         f"wrote {out / 'results.json'}"

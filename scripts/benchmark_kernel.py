@@ -36,35 +36,21 @@ bf16 inputs upcast to fp32).
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
-import gc
 import importlib
-import json
-import os
 import re
-import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import bench_common as bc
 import torch
 import torch.nn.functional as F
+from bench_common import error_status, free_memory, sync
 
-os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+import trl_fused_cpo
 
-try:
-    import trl_fused_cpo
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import trl_fused_cpo
-
-GIB = float(1 << 30)
 TRL_VOCAB_CHUNK = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE in trl 1.16, what add_fused_lm_head passes
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -305,30 +291,13 @@ def unavailable_reason(name: str, device: torch.device) -> str | None:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def make_weight(vocab: int, hidden_size: int, dtype: torch.dtype, device: torch.device, seed: int) -> torch.Tensor:
-    """``[V, H]`` head weight ~ N(0, (2/√H)²): with N(0, 1) hidden states the logits have std ≈ 2."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    weight = torch.randn(vocab, hidden_size, generator=gen, device=device, dtype=torch.float32)
-    return weight.mul_(2.0 / hidden_size**0.5).to(dtype)
-
-
 def make_batch(
     rows: int, args: argparse.Namespace, masked: bool, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``hidden [rows, T, H] ~ N(0, 1)`` and labels uniform in ``[0, V)``, the same for every workload at one B.
-
-    Masked: the first ``prompt_frac`` of each row's positions (the prompt) and the last ``pad_frac`` (padding) are
-    ``-100``.
-    """
-    gen = torch.Generator(device=device).manual_seed(args.seed * 1000 + rows)
-    hidden = torch.randn(rows, args.seq_len, args.hidden, generator=gen, device=device, dtype=torch.float32).to(dtype)
-    labels = torch.randint(0, args.vocab, (rows, args.seq_len), generator=gen, device=device)
-    if masked:
-        prompt = round(args.prompt_frac * args.seq_len)
-        pad = round(args.pad_frac * args.seq_len)
-        labels[:, :prompt] = -100
-        labels[:, args.seq_len - pad :] = -100
-    return hidden, labels
+    """``bench_common.make_batch`` at the CLI's shapes: the same inputs for every workload and implementation at one B."""
+    shape = (rows, args.seq_len, args.hidden, args.vocab)
+    fracs = {"prompt_frac": args.prompt_frac, "pad_frac": args.pad_frac}
+    return bc.make_batch(*shape, dtype, device, seed=args.seed, masked=masked, **fracs)
 
 
 def make_impl_step(
@@ -375,60 +344,9 @@ def make_floor_step(
     return step, 2 * x.shape[0] * w.shape[0] * w.shape[1] * workload.floor_gemms()
 
 
-def sync(device: torch.device) -> None:
-    """Wait for the GPU (no-op on a CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_ms(step: Callable[[], None], device: torch.device, args: argparse.Namespace) -> float:
-    """Median ms of ``step``: ``triton.testing.do_bench`` on CUDA, ``time.perf_counter`` over ``--cpu-reps`` else."""
-    if device.type == "cuda":
-        from triton.testing import do_bench
-
-        return float(do_bench(step, warmup=args.warmup, rep=args.rep, return_mode="median"))
-    step()
-    times = []
-    for _ in range(args.cpu_reps):
-        t0 = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def peak_gib(step: Callable[[], None], device: torch.device, grads_of: Sequence[torch.Tensor]) -> float | None:
-    """Peak allocated memory of one call above what was allocated before it (inputs), in GiB; None off CUDA."""
-    if device.type != "cuda":
-        return None
-    for t in grads_of:
-        t.grad = None
-    sync(device)
-    before = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    step()
-    sync(device)
-    return (torch.cuda.max_memory_allocated(device) - before) / GIB
-
-
-def free_memory(device: torch.device, grads_of: Sequence[torch.Tensor] = (), collect: bool = False) -> None:
-    """Drop the gradients and hand cached blocks back, so one entry's leftovers never count in the next one's peak.
-
-    ``gc.collect()`` (0.2 s with dynamo imported) only when asked: after an exception, whose traceback cycles hold
-    tensors; everything else is freed by reference counting.
-    """
-    for t in grads_of:
-        t.grad = None
-    if collect:
-        gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def error_status(e: BaseException) -> str:
-    """``"OOM"``, or the exception's type and first line, for the results."""
-    if isinstance(e, torch.cuda.OutOfMemoryError):
-        return "OOM"
-    return f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+    """Median ms of ``step`` at the CLI's ``--warmup`` / ``--rep`` (``--cpu-reps`` without CUDA)."""
+    return bc.time_ms(step, device, warmup=args.warmup, rep=args.rep, cpu_reps=args.cpu_reps)
 
 
 def measure(
@@ -448,7 +366,7 @@ def measure(
         out["first_call_s"] = time.perf_counter() - t0
         out["ms"] = time_ms(step, device, args)
         if memory:
-            out["peak_gib"] = peak_gib(step, device, grads_of)
+            out["peak_gib"] = bc.peak_gib(step, device, grads_of)
     except Exception as e:  # one failing peer must not end the run
         out["status"] = error_status(e)
         failed = True
@@ -521,7 +439,7 @@ def run_workload(
             print(f"  {workload.name:<14} B={batch:<3d} floor again  {floor_row['floor_after_ms']:.2f} ms "
                   f"({floor_row['floor_after_ms'] / floor['ms'] - 1:+.1%} drift)")  # fmt: skip
         del hidden, labels
-        free_memory(device, (weight,))
+        free_memory(device, (weight,), collect=False)
     return rows
 
 
@@ -552,7 +470,7 @@ def run_accuracy(
     ref_loss.backward()
     ref_loss, ref_gh, ref_gw = ref_loss.detach(), h32.grad, w32.grad
     del h32, w32
-    free_memory(device)
+    free_memory(device, collect=False)
     out: dict[str, Any] = {"workload": "full", "B": batch, "reference": "fp32 torch math", "loss_ref": float(ref_loss)}
     for name in impls:
         try:
@@ -571,7 +489,7 @@ def run_accuracy(
             out[name] = {"status": error_status(e)}
         free_memory(device, (hidden, weight), collect=out[name]["status"] != "ok")
     del ref_gh, ref_gw
-    free_memory(device)
+    free_memory(device, collect=False)
     return out
 
 
@@ -620,46 +538,18 @@ def print_accuracy(acc: dict[str, Any], impls: Sequence[str]) -> None:
         )
 
 
-def package_versions() -> dict[str, str | None]:
-    versions: dict[str, str | None] = {"python": sys.version.split()[0], "trl_fused_cpo": trl_fused_cpo.__version__}
-    for dist in ("torch", "triton", "liger-kernel", "cut-cross-entropy", "trl", "transformers"):
-        try:
-            versions[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            versions[dist] = None
-    # A copied checkout (the GPU machine's) may carry a stale .git: the caller can name the commit instead.
-    versions["git"] = os.environ.get("TRL_FUSED_CPO_COMMIT") or None
-    if versions["git"] is None:
-        try:
-            root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-            rev = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-            versions["git"] = rev.stdout.strip() or None
-        except OSError:
-            pass
-    return versions
-
-
 def write_results(out_dir: Path, report: dict[str, Any]) -> None:
     """``results.json`` (everything) and ``results.csv`` (one line per workload × impl × B)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+    bc.write_json(out_dir / "results.json", report)
     fields = ["workload", "impl", "B", "positions", "labelled", "ms", "x_floor", "peak_gib", "tflops", "first_call_s"]
     fields.append("floor_after_ms")  # the floor's row: the floor measured again after the implementations
-    with open(out_dir / "results.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[*fields, "status"], extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(report["results"])
+    bc.write_csv(out_dir / "results.csv", report["results"], [*fields, "status"])
 
 
 def plot_results(out_dir: Path, rows: list[dict[str, Any]], workloads: Sequence[str], impls: Sequence[str]) -> None:
     """``time_vs_B.png`` and ``memory_vs_B.png``: one subplot per workload, one line per implementation."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        print(f"skip plots: matplotlib not installed ({e})")
+    plt = bc.pyplot()
+    if plt is None:
         return
     for key, ylabel, filename, with_floor in (
         ("ms", "ms (median)", "time_vs_B.png", True),
@@ -759,11 +649,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """
     args = parse_args(argv)
     t_start = time.perf_counter()
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda":
-        if device.index is None:  # set_device and the memory counters want an index
-            device = torch.device("cuda", torch.cuda.current_device())
-        torch.cuda.set_device(device)
+    device = bc.pick_device(args.device)
     dtype = DTYPES[args.dtype]
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be fp32
     spec = LossSpec(beta=args.beta, cpo_alpha=args.cpo_alpha, chunk_bytes=args.chunk_bytes)
@@ -786,16 +672,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             if hasattr(torch._dynamo.config, knob):
                 setattr(torch._dynamo.config, knob, max(64, getattr(torch._dynamo.config, knob)))
 
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
+    record = bc.run_record(device)
     print(
-        f"device {device_name}; B={args.batch_sizes} T={args.seq_len} V={args.vocab} H={args.hidden} {args.dtype}; "
+        f"device {record['device']}; B={args.batch_sizes} T={args.seq_len} V={args.vocab} H={args.hidden} {args.dtype}; "
         f"impls {impls}; workloads {args.workloads}",
         flush=True,
     )
     report: dict[str, Any] = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": device_name,
-        "versions": package_versions(),
+        **record,
         "config": {
             **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "spec": asdict(spec),
@@ -807,7 +691,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "results": [],
     }
 
-    weight = make_weight(args.vocab, args.hidden, dtype, device, args.seed)
+    weight = bc.make_weight(args.vocab, args.hidden, dtype, device, args.seed)
     if not args.no_accuracy:
         report["accuracy"] = run_accuracy(impls, weight, args, spec, dtype, device)
         print_accuracy(report["accuracy"], impls)

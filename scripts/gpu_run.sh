@@ -1,23 +1,37 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, then the steps asked for; results under $OUT (only 8 files come back:
-# for several steps, point OUT at a scratch folder and tar it into the real $OUT). The machine's copy of .git can be
-# stale: put TRL_FUSED_CPO_COMMIT=<the commit> in front of the command so the kernel JSON names the code measured.
-#   (on the GPU machine) bash scripts/gpu_run.sh [step...]
+# for several steps, point OUT at a scratch folder and tar it into the real $OUT).
+#   (on the GPU machine) TRL_FUSED_CPO_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_run.sh [step...]
+# The machine's copy of the repository may carry a stale .git: TRL_FUSED_CPO_COMMIT (taken here, before the call)
+# names the code measured in every results file, and anything that needs git (the A/B staging) runs here too.
 #   steps: tests (GPU-capable tests), tests-cuda (tests/gpu alone, ≈ 40 s: the CUDA-only checks first when device
-#          time is short), profile (stage timings), wrappers (FSDP2 / ZeRO-3 / LoRA / QLoRA checks),
-#          kernel (scripts/benchmark_kernel.py, every peer), kernel-long (fused, fused-lean and floor only, 1.5 s per
-#          entry: the steadier ratios), kernel-long-peers (every peer at 1 s an entry, ≈ 4 min), frozen-budgets
-#          (the frozen head at 256 / 384 / 512 MiB), trainable-budgets (the trainable head at 1 / 1.25 / 1.5 GiB),
-#          e2e (scripts/benchmark_e2e.py, 1B/3B/8B + 20-step loss curves),
-#          kernel-b2 (fused and floor only, B = 2, every workload, 1 s an entry, ≈ 40 s: the fixed-cost-bound
-#          entries nearest 1.10×), kernel-ab (fused-only long runs of this tree, of each version that
-#          scripts/stage_ab.sh staged under ab/ (carry "ab"), then of this tree again: A/B/A),
-#          sweep-exp (scripts/sweep_shifted_exp.py: the frozen exponentials pass, piece by piece),
-#          sweep-epilogue (scripts/sweep_exp_epilogue.py: the frozen exponentials in a Triton GEMM's epilogue),
-#          probe-frozen (scripts/probe_frozen_schedules.py: a frozen call's time by stage, token slices vs slabs),
-#          recipe (the 1B recipe through accelerate launch), maxbatch / maxbatch-8b (largest micro-batch per
-#          trainer, 1B / 8B LoRA); default: tests profile
+#          time is short), profile (scripts/profile_fused_op.py: stage timings), wrappers (FSDP2 / ZeRO-3 / LoRA /
+#          QLoRA checks), kernel (scripts/benchmark_kernel.py, every peer), kernel-long (fused, fused-lean and floor
+#          only, 1.5 s per entry: the steadier ratios), kernel-long-peers (every peer at 1 s an entry, ≈ 4 min),
+#          frozen-budgets (the frozen head at 256 / 384 / 512 MiB), trainable-budgets (the trainable head at 1 /
+#          1.25 / 1.5 GiB), kernel-b2 (fused and floor only, B = 2, every workload, 1 s an entry, ≈ 40 s: the
+#          fixed-cost-bound entries nearest 1.10×), kernel-ab (A/B/A: fused-only long runs of this tree, of each
+#          version staged under ab/, then of this tree again), e2e (scripts/benchmark_e2e.py, 1B/3B/8B + 20-step
+#          loss curves), recipe (the 1B recipe through accelerate launch), maxbatch / maxbatch-8b (largest
+#          micro-batch per trainer, 1B / 8B LoRA); default: tests profile
+# A/B against earlier commits, in one device call. Stage the "before" versions on THIS machine (it has the history),
+# then carry "ab" (ignored by git) with the call:
+#   bash scripts/gpu_run.sh stage-ab REV [REV...]      # ab/<short rev>/trl_fused_cpo, via git archive; no wheels
+#   (device) TRL_FUSED_CPO_COMMIT=<head> bash scripts/gpu_run.sh kernel-ab   # carry .whl and ab
+# Each ab/<rev> run imports that tree's package with this tree's scripts (PYTHONPATH=ab/<rev>): the benchmark's
+# versions.trl_fused_cpo_path says which copy ran. A run is ≈ 115–130 s; one staged version (three runs) fits a
+# 600 s call beside nothing else, two staged versions (four runs, ≈ 500 s) need "tests" in another call.
 set -uo pipefail
+if [ "${1:-}" = stage-ab ]; then  # on this machine, before the device call
+  shift; [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_run.sh stage-ab REV [REV...]" >&2; exit 2; }
+  cd "$(dirname "$0")/.." || exit 1
+  for rev in "$@"; do
+    short=$(git rev-parse --short "$rev") || exit 1
+    rm -rf "ab/$short" && mkdir -p "ab/$short" && git archive "$short" trl_fused_cpo | tar -x -C "ab/$short" \
+      && echo "staged ab/$short"
+  done
+  exit 0
+fi
 bash .whl/gpu-wheels install .whl >/dev/null \
   || { echo "gpu_run: the wheels did not install (carry .whl with ../shared/tools/gpu-wheels copied into it)"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD
@@ -43,12 +57,6 @@ for what in "${steps[@]}"; do
       run_check zero3-tied accelerate launch --config_file configs/deepspeed_zero3.yaml --num_processes 1 --mixed_precision no scripts/check_wrappers.py --check parity --tie
       run_check lora python3 scripts/check_wrappers.py --check lora
       run_check qlora python3 scripts/check_wrappers.py --check qlora ;;
-    sweep-exp) timeout 300 python3 scripts/sweep_shifted_exp.py --json "$OUT/shifted_exp.json" 2>&1 | tail -60 \
-                 | tee "$OUT/shifted_exp.txt" ;;
-    sweep-epilogue) timeout 400 python3 scripts/sweep_exp_epilogue.py --json "$OUT/exp_epilogue.json" 2>&1 | tail -60 \
-                      | tee "$OUT/exp_epilogue.txt" ;;
-    probe-frozen) timeout 240 python3 scripts/probe_frozen_schedules.py --json "$OUT/probe_frozen.json" 2>&1 | tail -40 \
-                    | tee "$OUT/probe_frozen.txt" ;;
     profile) python3 scripts/profile_fused_op.py --json "$OUT/profile.json" | tail -60 ;;
     kernel) timeout 330 python3 scripts/benchmark_kernel.py --impls fused,fused-lean,torch,liger,trl-chunked,cce \
               --out "$OUT/kernel" 2>&1 | tail -100 ;;
@@ -71,8 +79,10 @@ for what in "${steps[@]}"; do
     kernel-long-peers)  # every peer at 1 s an entry (≈ 4 min): the side-by-side run with steadier ratios
       timeout 420 python3 scripts/benchmark_kernel.py --impls fused,fused-lean,torch,liger,trl-chunked,cce --no-accuracy \
         --warmup 150 --rep 1000 --out "$OUT/kernel_long_peers" 2>&1 | grep -E "^(fused|floor|torch|liger|trl-chunked|cce) |drift" ;;
-    kernel-ab)  # ≈ 115–130 s a run: A (this tree), B (each ab/<rev>), A again; JSON under $OUT/ab_<label>. Two
-      # staged versions make four runs (≈ 500 s): leave "tests" to another call, and mind the 8 files a call returns.
+    kernel-ab)  # A (this tree), B (each staged ab/<rev>), A again; JSON under $OUT/ab_<label>: mind the 8 files a
+      # call returns (tar them)
+      compgen -G "ab/*/trl_fused_cpo" >/dev/null \
+        || { echo "kernel-ab: nothing under ab/: 'bash scripts/gpu_run.sh stage-ab REV' first, carry ab"; continue; }
       ab_run() { echo "[$1] code: $2"; PYTHONPATH=/tmp/site:$2 TRL_FUSED_CPO_COMMIT=$1 timeout 200 python3 \
                    scripts/benchmark_kernel.py --impls fused --no-accuracy --no-plots --warmup 200 --rep 1500 \
                    --out "$OUT/ab_$1" 2>&1 | grep -E "^(fused|floor) " | sed "s/^/[$1] /"; }

@@ -3,11 +3,13 @@
 Each prompt asks for words of one category; the chosen completion lists words of it, the rejected one words of
 another. Deterministic (seeded): re-running it reproduces the shipped file byte for byte.
 
-    python scripts/make_tiny_data.py
+    python scripts/make_tiny_data.py                  # rewrites the shipped file
+    python scripts/make_tiny_data.py --out /tmp/x.jsonl
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 from pathlib import Path
@@ -34,14 +36,17 @@ def make_pairs(n: int, rng: random.Random) -> list[dict[str, str]]:
     return pairs
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=OUT, help="where to write (default: the shipped file)")
+    args = parser.parse_args(argv)
     rng = random.Random(1234)
-    rows = [dict(split="train", **p) for p in make_pairs(512, rng)] + [
-        dict(split="test", **p) for p in make_pairs(64, rng)
-    ]
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    print(f"wrote {len(rows)} pairs to {OUT}")
+    rows = [dict(split="train", **pair) for pair in make_pairs(512, rng)]
+    rows += [dict(split="test", **pair) for pair in make_pairs(64, rng)]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print(f"wrote {len(rows)} pairs to {args.out}")
+    return args.out
 
 
 if __name__ == "__main__":

@@ -1,10 +1,16 @@
 """Where the fused op's time goes: each stage of one chunk timed alone, and the whole op against the floor.
 
-    python scripts/profile_fused_op.py --batch 16 --chunk-tokens 4096
+    python scripts/profile_fused_op.py --batch 16 --chunk-tokens 4096        # H200: ≈ 1 minute
+    python scripts/profile_fused_op.py --batch 2 --timeline                  # + the GPU timeline of 3 calls
+    python scripts/profile_fused_op.py --quick                               # toy shapes, CPU (interpreter) or GPU
 
-Prints ms per stage (logits GEMM, log-sum-exp kernel, softmax-grad kernel, dX GEMM, dW GEMM into fp32) for one
-chunk, the whole op (forward + backward) for trainable and frozen heads, and the cuBLAS floor on the same
-tokens. Used for docs/kernel-notes.md; the side-by-side with peers is scripts/benchmark_kernel.py.
+Prints ms per stage for one chunk (logits GEMM, log-sum-exp kernel, softmax-grad kernel, dX GEMM, dW GEMM into
+fp32, a frozen head's exponentials pass and its fp32 ``G = E·W`` GEMM), the whole op (forward + backward) for
+trainable and frozen heads at their default and a larger budget, and the cuBLAS floor on the same tokens.
+``--timeline`` adds a GPU timeline of three back-to-back calls (busy time, idle gaps and which kernels end them):
+what the v7 and v15/v16 entries of docs/kernel-notes.md were predicted from. The inputs are the kernel benchmark's
+(``bench_common.make_batch``); the side-by-side with peers is scripts/benchmark_kernel.py. A maintained tool: run
+it (``gpu_run.sh profile``) before predicting what a kernel change will save.
 """
 
 from __future__ import annotations
@@ -15,16 +21,12 @@ import json
 import os
 import tempfile
 
+import bench_common as bc
 import torch
-import triton
 
 from trl_fused_cpo import fused_linear_cpo_loss
 from trl_fused_cpo.ops import rows_triton
 from trl_fused_cpo.ops.gemm import accumulate_mm, mm_into
-
-
-def bench(fn, warmup=25, rep=200) -> float:
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
 def gpu_timeline(fn, name: str, batch: int, calls: int = 3) -> dict:
@@ -72,11 +74,11 @@ def gpu_timeline(fn, name: str, batch: int, calls: int = 3) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batch", type=int, default=16, help="sequences (B/2 pairs)")
-    p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--vocab", type=int, default=128_256)
-    p.add_argument("--chunk-tokens", type=int, default=4096, help="tokens of the one-chunk stage timings (≤ B·T)")
+    p.add_argument("--batch", type=int, default=None, help="sequences, B/2 pairs (default 16)")
+    p.add_argument("--seq-len", type=int, default=None, help="T (default 1024)")
+    p.add_argument("--hidden", type=int, default=None, help="H (default 4096)")
+    p.add_argument("--vocab", type=int, default=None, help="V (default 128256)")
+    p.add_argument("--chunk-tokens", type=int, default=None, help="tokens of the one-chunk stage timings (≤ B·T)")
     p.add_argument("--json", default=None, help="write the numbers here")
     p.add_argument(
         "--masked",
@@ -86,27 +88,35 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument(
         "--trace",
         action="store_true",
-        help="also print a torch.profiler table of one trainable, frozen and no-grad call",
+        help="also print a torch.profiler table of one trainable, frozen and no-grad call (CUDA)",
     )
     p.add_argument(
         "--timeline",
         action="store_true",
         help="also print the GPU timeline of three back-to-back trainable, frozen and no-grad calls: busy time, idle "
-        "gaps and time per kernel",
+        "gaps and time per kernel (CUDA)",
     )
+    p.add_argument("--quick", action="store_true", help="smoke run: B=2, T=16, H=32, V=512, 16-token chunk")
     args = p.parse_args(argv)
-    dev, dt = "cuda", torch.bfloat16
+    shape = {"batch": 2, "seq_len": 16, "hidden": 32, "vocab": 512, "chunk_tokens": 16} if args.quick else {}
+    shape = {"batch": 16, "seq_len": 1024, "hidden": 4096, "vocab": 128_256, "chunk_tokens": 4096, **shape}
+    for key, value in shape.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    dev = bc.pick_device(None)
+    cuda = dev.type == "cuda"
+    # Off CUDA the kernels run through TRITON_INTERPRET=1, which has no bf16 arithmetic (docs/design.md §5).
+    dt = torch.bfloat16 if cuda else torch.float32
     b, t, h, v = args.batch, args.seq_len, args.hidden, args.vocab
-    c = min(args.chunk_tokens, b * t - b)
-    torch.manual_seed(0)
-    hidden = torch.randn(b, t, h, device=dev, dtype=dt)
-    weight = (torch.randn(v, h, device=dev) * (2 / h**0.5)).to(dt)
-    labels = torch.randint(0, v, (b, t), device=dev)
-    labels[:, -1] = -100
-    if args.masked:
-        labels[:, : round(0.25 * t)] = -100
-        labels[:, t - round(0.15 * t) :] = -100
+    c = min(args.chunk_tokens, b * t)
+    weight = bc.make_weight(v, h, dt, dev, seed=0)
+    hidden, labels = bc.make_batch(b, t, h, v, dt, dev, masked=args.masked)
     n = int((labels != -100).sum())
+    default_warmup, default_rep = (5, 20) if args.quick else (25, 200)
+
+    def bench(fn, warmup: int = default_warmup, rep: int = default_rep) -> float:
+        """Median ms (``do_bench`` on CUDA; one timed call after an untimed one on a CPU)."""
+        return bc.time_ms(fn, dev, warmup=warmup, rep=rep, cpu_reps=1)
 
     x = hidden.reshape(-1, h)[:c].contiguous()
     targets = labels.reshape(-1)[:c].clamp(min=0)
@@ -148,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
         floor["frozen"] = bench(lambda: (torch.mm(xs, w_all.t(), out=g_buf), torch.mm(g_buf, w_all)))
         floor["forward"] = bench(lambda: torch.mm(xs, w_all.t(), out=g_buf))
         del g_buf
-    torch.cuda.empty_cache()
+    bc.free_memory(dev, collect=False)
 
     def step(frozen: bool, chunk_bytes=None):
         def fn():
@@ -158,28 +168,16 @@ def main(argv: list[str] | None = None) -> dict:
 
         return fn
 
-    def peak(fn) -> float:
-        fn()  # leaves .grad set: clear it before the baseline, else the old gradients count as inputs
-        for tensor in (hidden, weight):
-            tensor.grad = None
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        fn()
-        torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - base) / 2**30
-
     whole = {}
-    variants = [
-        ("trainable", False, None),
-        ("trainable_2GiB", False, 2 << 30),
-        ("frozen", True, None),
-        ("frozen_1GiB", True, 1 << 30),
-    ]
+    variants = [("trainable", False, None), ("frozen", True, None)]
+    if not args.quick:  # a larger budget than the default: fewer chunks, more memory
+        variants += [("trainable_2GiB", False, 2 << 30), ("frozen_1GiB", True, 1 << 30)]
     for name, frozen, cb in variants:
         fn = step(frozen, cb)
-        whole[name] = {"ms": bench(fn, warmup=5, rep=40), "peak_gib": peak(fn)}
-    if args.trace:
+        whole[name] = {"ms": bench(fn, warmup=5, rep=40), "peak_gib": bc.peak_gib(fn, dev, (hidden, weight))}
+    if (args.trace or args.timeline) and not cuda:
+        print("--trace and --timeline need CUDA: skipped")
+    if args.trace and cuda:
 
         def forward_only():
             with torch.no_grad():
@@ -197,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=70))
             if args.json:
                 prof.export_chrome_trace(args.json.replace(".json", f"_{name}_trace.json"))
-    if args.timeline:
+    if args.timeline and cuda:
 
         def no_grad_call():
             with torch.no_grad():
@@ -207,14 +205,20 @@ def main(argv: list[str] | None = None) -> dict:
             whole[name + "_timeline"] = gpu_timeline(fn, name, b)
     with torch.no_grad():
         whole["forward"] = {"ms": bench(lambda: fused_linear_cpo_loss(hidden, weight, labels, backend="triton"), 5, 40)}
-    result = {"shape": vars(args), "labelled_tokens": n, "stage_ms_one_chunk": stage, "floor_ms": floor, "fused": whole}
+    result = {
+        **bc.run_record(dev),
+        "shape": vars(args),
+        "labelled_tokens": n,
+        "stage_ms_one_chunk": stage,
+        "floor_ms": floor,
+        "fused": whole,
+    }
     for k, f in floor.items():
         if k in whole:
             whole[k]["x_floor"] = whole[k]["ms"] / f
     print(json.dumps(result, indent=1))
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=1)
+        bc.write_json(args.json, result)
     return result
 
 

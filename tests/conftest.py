@@ -53,8 +53,15 @@ def batch_factory():
 
 
 def load_script(name: str):
-    """``scripts/<name>.py`` as a module (the scripts are not a package)."""
-    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    """``scripts/<name>.py`` as a module (the scripts are not a package).
+
+    ``scripts/`` goes on ``sys.path`` first, as ``python scripts/<name>.py`` puts it, so that a script's
+    ``import bench_common`` finds its sibling.
+    """
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    if str(scripts) not in sys.path:
+        sys.path.insert(0, str(scripts))
+    path = scripts / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up there

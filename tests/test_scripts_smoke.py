@@ -1,11 +1,20 @@
-"""The benchmark and profiling scripts run end to end at toy sizes on CPU (their GPU numbers live in docs/)."""
+"""Every script in scripts/ runs end to end at toy sizes on CPU (their GPU numbers live in docs/results/).
+
+train_cpo.py has its own tests (tests/test_train_script.py); gpu_run.sh is checked for syntax and for steps that
+run scripts which no longer exist.
+"""
 
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+from pathlib import Path
 
 import pytest
 from conftest import load_script
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 @pytest.mark.slow
@@ -13,6 +22,7 @@ def test_benchmark_kernel_quick(tmp_path):
     load_script("benchmark_kernel").main(["--quick", "--out", str(tmp_path), "--no-plots"])
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["accuracy"] and (tmp_path / "results.csv").exists()
+    assert results["versions"]["trl_fused_cpo"] and results["device"].startswith("cpu")  # bench_common's record
     floors = [r for r in results["results"] if r["impl"] == "floor" and r["ms"]]
     assert floors and all(r["floor_after_ms"] > 0 for r in floors)  # the drift check: the floor again after the impls
     # The docs' tables come from this JSON (on CPU there is no Triton "fused" entry: its cells read "-").
@@ -30,3 +40,53 @@ def test_benchmark_e2e_toy(tmp_path):
     assert code == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert {r["trainer"] for r in results["runs"]} == {"stock", "fused"}
+    assert results["comparisons"] and results["comparisons"][0]["same_batches"]
+
+
+@pytest.mark.slow
+def test_profile_fused_op_quick(tmp_path):
+    """Stage timings and the whole op at toy shapes; on CPU the Triton kernels run through the interpreter."""
+    out = tmp_path / "profile.json"
+    result = load_script("profile_fused_op").main(["--quick", "--json", str(out)])
+    assert json.loads(out.read_text())["labelled_tokens"] == result["labelled_tokens"] == 2 * 16
+    assert all(ms > 0 for key, ms in result["stage_ms_one_chunk"].items() if not key.endswith("_tflops"))
+    assert {"trainable", "frozen", "forward"} <= set(result["fused"])
+    assert all(result["fused"][k]["x_floor"] > 0 for k in ("trainable", "frozen", "forward"))
+
+
+def test_make_tiny_data_reproduces_the_shipped_file(tmp_path):
+    written = load_script("make_tiny_data").main(["--out", str(tmp_path / "tiny.jsonl")])
+    shipped = SCRIPTS.parent / "trl_fused_cpo" / "data" / "tiny_preferences.jsonl"
+    assert written.read_bytes() == shipped.read_bytes()
+
+
+@pytest.mark.slow
+def test_make_random_checkpoint_toy(tmp_path):
+    out = load_script("make_random_checkpoint").main(["--model", "toy", "--out", str(tmp_path), "--rows", "4"])
+    assert (out / "config.json").exists() and (out / "tokenizer_config.json").exists()
+    rows = [json.loads(line) for line in (out / "preferences.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and set(rows[0]) >= {"prompt", "chosen", "rejected"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("check", [["--check", "parity", "--tie"], ["--check", "lora"]])
+def test_check_wrappers_without_a_wrapper(check, tmp_path):
+    """The checks gpu_run.sh runs under FSDP2 / ZeRO-3, here in one plain CPU process on the torch backend."""
+    out = tmp_path / "check.json"
+    assert load_script("check_wrappers").main([*check, "--backend", "torch", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["ok"]
+
+
+def test_gpu_run_steps_run_only_scripts_that_exist():
+    script = (SCRIPTS / "gpu_run.sh").read_text()
+    subprocess.run(["bash", "-n", str(SCRIPTS / "gpu_run.sh")], check=True)
+    for name in set(re.findall(r"scripts/([\w.]+\.(?:py|sh))", script)):
+        assert (SCRIPTS / name).exists(), f"gpu_run.sh names scripts/{name}, which is not in the tree"
+    handled = set(re.findall(r"^    ([\w-]+(?: \| [\w-]+)*)\)", script, flags=re.MULTILINE))
+    handled = {step for group in handled for step in group.split(" | ")}
+    header = script.split("set -uo pipefail")[0]
+    listed = {"tests", "tests-cuda", "profile", "wrappers", "kernel", "kernel-long", "kernel-long-peers"}
+    listed |= {"frozen-budgets", "trainable-budgets", "kernel-b2", "kernel-ab", "e2e", "recipe", "maxbatch"}
+    listed.add("maxbatch-8b")
+    assert listed <= handled, listed - handled
+    assert all(step in header for step in handled), handled - {s for s in handled if s in header}

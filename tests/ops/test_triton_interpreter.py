@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from conftest import load_script, make_batch
+from conftest import make_batch
 
 from trl_fused_cpo import fused_linear_cpo_loss
 from trl_fused_cpo.ops import rows_torch
@@ -151,37 +151,6 @@ def test_rescale_kernel_scales_in_place_and_skips_a_ratio_of_one(dtype):
         rescale_(t.t(), torch.tensor(2.0, device=DEVICE))
 
 
-@pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("store_logits", [True, False])
-def test_logits_lse_epilogue_experiment(with_bias, store_logits, monkeypatch):
-    """scripts/sweep_logits_lse.py (an experiment, not in the op): its fused GEMM + statistics match torch."""
-    sweep = load_script("sweep_logits_lse")
-    if DEVICE == "cpu":  # interpreter-sized tiles, fp32 (the interpreter has no bf16 dot)
-        for name, value in (("BLOCK_M", 16), ("BLOCK_N", 32), ("BLOCK_K", 16)):
-            monkeypatch.setattr(sweep, name, value)
-    # On the GPU: the script's own tiles, sized for bf16 (fp32 would need twice the shared memory), on logits of
-    # std ≈ 2 so that one bf16 rounding of a logit (≤ 2⁻⁹ relative) stays far below what a wrong tile would give.
-    dtype, tol = (torch.float32, 1e-4) if DEVICE == "cpu" else (torch.bfloat16, 2e-2)
-    g = torch.Generator().manual_seed(3)
-    x = (torch.randn(37, 48, generator=g) / 48**0.25).to(DEVICE, dtype)
-    weight = (torch.randn(72, 48, generator=g) * 2 / 48**0.25).to(DEVICE, dtype)  # 72: a partial last tile
-    bias = torch.randn(72, generator=g).to(DEVICE, dtype) if with_bias else None
-    targets = torch.randint(0, 72, (30,), generator=g)  # rows 30..36 have no target
-    targets[:3] = torch.tensor([0, 32, 71])  # the first and last columns of vocabulary tiles
-    targets = targets.to(DEVICE)
-    logits, lse, target_logit, row_sum = sweep.logits_logsumexp(x, weight, bias, targets, store_logits=store_logits)
-    ref = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
-    if store_logits:
-        torch.testing.assert_close(logits.double(), ref, rtol=tol, atol=tol)
-    else:
-        assert logits is None
-    torch.testing.assert_close(lse.double(), ref.logsumexp(-1), rtol=tol, atol=tol)
-    torch.testing.assert_close(row_sum.double(), ref.sum(-1), rtol=tol, atol=72 * tol)  # 72 roundings at most
-    torch.testing.assert_close(
-        target_logit[:30].double(), ref[:30].gather(1, targets[:, None])[:, 0], rtol=tol, atol=tol
-    )
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("spread", [2.0, 100.0])  # 100: logits far above the target's, the rescaling path
 def test_frozen_grad_kernels_match_torch(dtype, spread):
@@ -223,45 +192,6 @@ def test_frozen_grad_kernels_match_torch(dtype, spread):
     rows_triton.frozen_dx_(dx, token_index, *args)
     rows_torch.frozen_dx_(dx_r, token_index, *args)
     torch.testing.assert_close(dx, dx_r, rtol=1e-5 if dtype == torch.float32 else 1e-3, atol=1e-6)
-
-
-@pytest.mark.parametrize("spread", [2.0, 100.0])
-def test_exp_pass_experiment_matches_the_shipped_kernels(spread):
-    """scripts/sweep_exp_pass.py's one-reduction-per-block variants give the shipped passes' outputs."""
-    sweep = load_script("sweep_exp_pass")
-    g = torch.Generator().manual_seed(int(spread))
-    logits = torch.randn(4, 8193 + 4096, generator=g) * 2
-    if spread > 64:  # the overflow guard's rescaling, within a segment and across segments
-        logits[0, 5000] = spread
-        logits[2, 8200] = spread
-    targets = torch.randint(0, logits.shape[1], (4,), generator=g).to(DEVICE)
-    diffs = sweep.compare(logits.to(DEVICE), targets)
-    assert diffs["lse"] < 1e-5 and diffs["lse_logp_sum"] < 1e-2, diffs
-    assert diffs["exp_E"] < 1e-6 and diffs["exp_outputs"] < 1e-5, diffs
-
-
-@pytest.mark.parametrize("spread", [2.0, 100.0])
-def test_shifted_exp_sweep_candidates_match_the_shipped_kernel(spread):
-    """scripts/sweep_shifted_exp.py's candidate kernels (guard and sums on) give the shipped pass's E and partials."""
-    sweep = load_script("sweep_shifted_exp")
-    g = torch.Generator().manual_seed(int(spread))
-    rows, vocab = 4, 700
-    logits = torch.randn(rows, vocab, generator=g) * 2
-    if spread > 64:  # the guard's rescale: a later block, the first block, and two shifts in one segment
-        logits[0, 300] = spread
-        logits[1, 10] = spread / 2
-        logits[1, 200] = spread
-        logits[3, 650] = spread
-    targets = torch.randint(0, vocab, (rows,), generator=g).to(DEVICE)
-    candidates = [
-        c
-        for c in sweep.configs("256x64x1,128x32x2")  # interpreter-sized tiles: several blocks a segment
-        if c["kind"] != "shipped" and c.get("guard", True) and c.get("sums", 1)
-    ]
-    assert {c["name"] for c in candidates} >= {"prefetch", "vec+prefetch", "one-reduce+prefetch", "select-guard"}
-    for cfg in candidates:
-        diffs = sweep.compare(cfg, logits.to(DEVICE), targets, rows)
-        assert diffs["E"] == 0.0 and diffs["partials_rel"] < 1e-5, (cfg["name"], diffs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
