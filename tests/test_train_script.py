@@ -1,4 +1,4 @@
-"""scripts/train_cpo.py end to end on CPU: through `accelerate launch`, with LoRA, and as 2-process DDP (gloo).
+"""The launcher end to end on CPU: through `accelerate launch`, with LoRA, and as 2-process DDP (gloo).
 
 The DDP test is the one that catches a fused path that skips the wrapper's hooks: both ranks must end with the
 same parameters (gradients were all-reduced) and those must equal a 1-process run over the same global batch
@@ -94,11 +94,10 @@ def test_lora_run_saves_the_adapter_and_tokenizer(tmp_path):
 
 _DRIVER = textwrap.dedent(
     """
-    # Runs scripts/train_cpo.py's main() unchanged; each rank also saves its own parameters at save time.
-    import os, sys
+    # Runs the launcher's main() unchanged; each rank also saves its own parameters at save time.
+    import os
     import torch
-    sys.path.insert(0, {scripts!r})
-    import train_cpo
+    from trl_fused_cpo import train
     from trl_fused_cpo.trainer import FusedCPOTrainer
 
     _save_model = FusedCPOTrainer.save_model
@@ -112,7 +111,7 @@ _DRIVER = textwrap.dedent(
         return _save_model(self, output_dir, _internal_call)
 
     FusedCPOTrainer.save_model = save_model
-    train_cpo.main(*train_cpo.make_parser().parse_args_and_config())
+    train.cli_main()
     """
 )
 
@@ -137,7 +136,7 @@ def test_ddp_two_ranks_match_one_process_over_the_same_global_batch(tmp_path):
     data = tmp_path / "pairs.jsonl"
     _equal_chosen_length_pairs(data, n=4 * steps)
     driver = tmp_path / "driver.py"
-    driver.write_text(_DRIVER.format(scripts=str(ROOT / "scripts")))
+    driver.write_text(_DRIVER.format())
     # SGD keeps the update linear in the gradient: Adam's g/sqrt(v) turns 1e-7 float reduction-order noise into 3e-5
     # after 3 steps at lr 1e-2 (measured), which would hide nothing but loosen the tolerance.
     common = ["--config", TINY, "--dataset_name", str(data), "--eval_strategy", "no", "--eval_on_start", "false"]
