@@ -1,7 +1,7 @@
 """Markdown tables for docs/benchmarks.md from benchmark_kernel.py's JSON: a side-by-side run plus long runs.
 
-    python scripts/kernel_tables.py docs/results/kernel/results.json \
-        --long docs/results/kernel_long/v7_run1.json docs/results/kernel_long/v7_run2.json
+    python scripts/kernel_tables.py docs/results/kernel_long_peers_3de2689/results.json \
+        --long docs/results/trainable_budgets/1536.json docs/results/kernel_long_peers/results.json
 
 One table per workload: the side-by-side cells are ``ms (× floor) / peak GiB``; the long-run column lists each
 long run's ``× floor`` for the fused op (its own floor, same run), so that run-to-run spread is visible.
