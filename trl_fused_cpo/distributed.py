@@ -76,23 +76,55 @@ def _sharded(head: nn.Module) -> bool:
     return isinstance(head, FSDPModule)
 
 
-def install_fused_forward(causal_lm: nn.Module, loss_fn: Callable[..., object]) -> None:
-    """Patch ``causal_lm.forward`` so ``forward(..., fused_cpo_labels=labels)`` returns ``loss_fn(hidden, head, labels)``.
+def install_fused_forward(causal_lm: nn.Module, head_loss: Callable[..., object]) -> None:
+    """Patch ``causal_lm.forward`` so ``forward(..., fused_cpo_labels=labels)`` returns ``head_loss(hidden, head,
+    labels)``; without ``fused_cpo_labels`` it is the original forward (generation is unchanged).
+
+    The patch is a method bound to the model whose function holds no state, the settings live on the model: so the
+    model behaves like a plain one. ``copy.deepcopy`` rebinds the method to the copy (a closure over the original's
+    bound forward made a copy compute with the original's weights), Accelerate's mixed-precision wrapper (which
+    rewraps ``forward.__func__``) keeps that property, nothing holds the trainer (deleting it frees it and its
+    optimizer), and pickling stores a plain model (the patch comes back when a trainer uses it).
 
     Args:
         causal_lm: the unwrapped ``*ForCausalLM`` (under PEFT, ``peft_model.get_base_model()``).
-        loss_fn: ``(hidden [2B, T, H], head: nn.Module, labels [2B, T]) -> CPOLossOutput``.
+        head_loss: ``(hidden [2B, T, H], head: nn.Module, labels [2B, T]) -> CPOLossOutput``; kept on the model, so
+            it must not hold the trainer (``trainer.FusedHead``: settings only).
     """
-    if getattr(causal_lm, "_fused_cpo_original_forward", None) is not None:
-        original = causal_lm._fused_cpo_original_forward  # re-patching (a second trainer): keep the true original
-    else:
-        original = causal_lm.forward
-        causal_lm._fused_cpo_original_forward = original
+    causal_lm._fused_cpo_head = head_loss
+    fused = _fused_forward(type(causal_lm))
+    current = causal_lm.__dict__.get("forward")
+    if current is None:
+        causal_lm.forward = types.MethodType(fused, causal_lm)
+    elif not _wraps(current, fused):  # an instance-level forward installed before ours: ours calls it
+        causal_lm._fused_cpo_replaced_forward = current
+        causal_lm.forward = types.MethodType(fused, causal_lm)
+    # else: already patched, possibly under a wrapper of its own (Accelerate's mixed precision): settings only
 
-    @functools.wraps(type(causal_lm).forward)  # keep the signature: generate() validates kwargs against it
-    def fused_forward(self, *args, fused_cpo_labels: torch.Tensor | None = None, **kwargs):
+
+def _wraps(forward: Callable[..., object], fused: Callable[..., object]) -> bool:
+    """Whether ``fused`` is ``forward``'s function or inside its ``__wrapped__`` chain (Accelerate's autocast and
+    fp32-output wrappers keep one)."""
+    f = getattr(forward, "__func__", forward)
+    for _ in range(16):  # the chain is short: a few decorators at most
+        if f is fused:
+            return True
+        f = getattr(f, "__wrapped__", None)
+        if f is None:
+            return False
+        f = getattr(f, "__func__", f)
+    return False
+
+
+@functools.cache
+def _fused_forward(cls: type) -> Callable[..., object]:
+    """The patched forward of ``cls``: one function per model class, bound to each instance."""
+
+    @functools.wraps(cls.forward)  # keep the signature: generate() validates kwargs against it
+    def forward(self, *args, fused_cpo_labels: torch.Tensor | None = None, **kwargs):
         if fused_cpo_labels is None:
-            return original(*args, **kwargs)
+            replaced = self.__dict__.get("_fused_cpo_replaced_forward")
+            return replaced(*args, **kwargs) if replaced is not None else cls.forward(self, *args, **kwargs)
         for key in _HEAD_ONLY_KWARGS:
             kwargs.pop(key, None)
         kwargs["use_cache"] = False
@@ -100,6 +132,6 @@ def install_fused_forward(causal_lm: nn.Module, loss_fn: Callable[..., object]) 
         outputs = self.base_model(*args, **kwargs)
         head = self.get_output_embeddings()
         hidden = outputs.last_hidden_state.to(head.weight.device)
-        return loss_fn(hidden, head, fused_cpo_labels.to(hidden.device))
+        return self._fused_cpo_head(hidden, head, fused_cpo_labels.to(hidden.device))
 
-    causal_lm.forward = types.MethodType(fused_forward, causal_lm)
+    return forward

@@ -11,12 +11,15 @@ it. With ``s`` the sequence log-prob (sum over completion tokens; the mean for `
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
+
+from .ops.grad_scale import GradScaleGuess
 
 LossType = Literal["sigmoid", "hinge", "ipo", "simpo", "alphapo"]
 Backend = Literal["auto", "torch", "triton"]
@@ -167,6 +170,29 @@ def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
         raise ValueError(f"all inputs must be on one device; got {devices}.")
 
 
+def _autocast_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """The inputs as autocast would give them to ``lm_head``: floating tensors but float64 in the autocast dtype.
+
+    Llama's final norm returns float32 under autocast and a mixed-precision head weight is float32: without the
+    cast the op met mixed dtypes (``index_copy_(): ... Float and BFloat16``)."""
+    device_type = hidden.device.type
+    if not (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
+        return hidden, weight, bias
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+        return t if t is None or not t.is_floating_point() or t.dtype == torch.float64 else t.to(dtype)
+
+    return cast(hidden), cast(weight), cast(bias)
+
+
+def _autocast_off(device_type: str):
+    """Autocast off inside the op (its GEMMs choose their own dtypes); a no-op where autocast does not exist."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def fused_linear_cpo_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -183,6 +209,7 @@ def fused_linear_cpo_loss(
     backend: Backend = "auto",
     chunk_bytes: int | None = None,
     memory: Literal["fast", "lean"] = "fast",
+    grad_scale_guess: GradScaleGuess | None = None,
 ) -> CPOLossOutput:
     """CPO loss straight from the final hidden states and the ``lm_head`` weight; the logits never exist whole.
 
@@ -203,6 +230,13 @@ def fused_linear_cpo_loss(
             gradient: 2 GiB at Llama-3 8B) or ``"lean"`` (vocabulary slabs, the logits computed twice, no
             accumulator: about 4/3 of the products for less memory with a trainable head; a frozen head always
             runs ``"fast"``, which needs no accumulator).
+        grad_scale_guess: an ``ops.grad_scale.GradScaleGuess`` the caller keeps across calls (the trainer does):
+            it remembers the incoming gradient (``1/gradient_accumulation_steps``, a loss scale) to save the
+            backward a pass over the weight gradient. It cannot change a result; None costs that pass whenever the
+            incoming gradient is not 1.
+
+    Under the caller's ``torch.autocast`` the op computes as ``lm_head(hidden)`` would: hidden, weight and bias are
+    cast (differentiably) to the autocast dtype, and the op runs with autocast off.
 
     Returns:
         A :class:`CPOLossOutput`. Gradients of ``loss`` reach ``hidden``, ``weight`` and ``bias`` where they
@@ -210,6 +244,7 @@ def fused_linear_cpo_loss(
     """
     from .ops.dispatch import linear_cpo
 
+    hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
     _check_inputs(hidden, weight, labels, bias)
     hp = CPOHyperparams.create(
         beta=beta,
@@ -221,14 +256,16 @@ def fused_linear_cpo_loss(
     )
     if hp.loss_type in ("hinge", "ipo") and hp.label_smoothing > 0:
         warnings.warn(f"label_smoothing is ignored by loss_type={hp.loss_type!r} (as in TRL).", stacklevel=2)
-    return linear_cpo(
-        hidden,
-        weight,
-        labels,
-        bias,
-        hp,
-        ignore_index=ignore_index,
-        backend=backend,
-        chunk_bytes=chunk_bytes,
-        memory=memory,
-    )
+    with _autocast_off(hidden.device.type):
+        return linear_cpo(
+            hidden,
+            weight,
+            labels,
+            bias,
+            hp,
+            ignore_index=ignore_index,
+            backend=backend,
+            chunk_bytes=chunk_bytes,
+            memory=memory,
+            grad_guess=grad_scale_guess,
+        )

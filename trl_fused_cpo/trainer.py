@@ -8,8 +8,8 @@ exactly is refused in ``__init__``, or falls back to ``super()`` with one logged
 
 from __future__ import annotations
 
-import contextlib
 import logging
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -20,6 +20,7 @@ from trl.experimental.cpo import CPOTrainer
 from .config import fused_options
 from .distributed import call_through_head, install_fused_forward
 from .loss import fused_linear_cpo_loss
+from .ops.grad_scale import GradScaleGuess
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,28 @@ def unsupported_reason(model: nn.Module) -> str | None:
     return None
 
 
+@dataclass
+class FusedHead:
+    """The fused head the patched forward calls: ``fused_linear_cpo_loss`` with the trainer's settings.
+
+    Kept on the model (``distributed.install_fused_forward``), so it holds settings only, never the trainer: the
+    trainer and its optimizer are freed with it, and the model deep-copies and pickles as a plain one. Its
+    ``GradScaleGuess`` remembers this trainer's incoming gradient (``1 / gradient_accumulation_steps``, a loss scale)
+    to save a pass over dW; it cannot change a result (``ops/grad_scale.py``).
+    """
+
+    loss_kwargs: dict
+    grad_scale_guess: GradScaleGuess = field(default_factory=GradScaleGuess)
+
+    def __call__(self, hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor):
+        def loss(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
+            return fused_linear_cpo_loss(
+                h, w, labels, bias=b, grad_scale_guess=self.grad_scale_guess, **self.loss_kwargs
+            )
+
+        return call_through_head(head, loss, hidden)
+
+
 class FusedCPOTrainer(CPOTrainer):
     """Drop-in ``CPOTrainer`` whose loss is ``fused_linear_cpo_loss`` (takes a ``CPOConfig`` or ``FusedCPOConfig``)."""
 
@@ -78,10 +101,20 @@ class FusedCPOTrainer(CPOTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         options = fused_options(self.args)
-        self._fused_backend = options["backend"]
-        self._fused_chunk_bytes = options["chunk_bytes"]
-        self._fused_memory = options["memory"]
         self.use_fused_loss = options["use_fused_loss"]
+        self._fused_head = FusedHead(
+            dict(
+                beta=self.beta,
+                loss_type=self.loss_type,
+                label_smoothing=self.label_smoothing,
+                cpo_alpha=self.cpo_alpha,
+                simpo_gamma=getattr(self, "simpo_gamma", 0.5),
+                alpha=self.alpha,
+                backend=options["backend"],
+                chunk_bytes=options["chunk_bytes"],
+                memory=options["memory"],
+            )
+        )
         if not self.use_fused_loss:
             logger.info("FusedCPOTrainer: use_fused_loss=False, running TRL's stock CPO loss.")
             return
@@ -93,45 +126,12 @@ class FusedCPOTrainer(CPOTrainer):
         reason = unsupported_reason(self.model)
         if reason is not None:
             raise ValueError(reason)
-        self._ensure_fused_forward()
+        self._ensure_fused_forward(self.model)
 
-    def _ensure_fused_forward(self) -> None:
-        """Patch the causal LM's forward, again if ``model_init`` (or a hyperparameter search) rebuilt the model."""
-        lm = _causal_lm(self.model)
-        if getattr(lm, "_fused_cpo_loss_fn", None) != self._head_loss:  # bound methods: ==, not is
-            install_fused_forward(lm, self._head_loss)
-            lm._fused_cpo_loss_fn = self._head_loss
-
-    def _head_loss(self, hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor):
-        """The fused head, called from inside the model's forward."""
-        return call_through_head(head, lambda h, w, b: self._fused_loss(h, w, b, labels), hidden)
-
-    def _fused_loss(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor):
-        """The fused op on ``hidden`` and the head's (gathered) parameters."""
-        # Under autocast (mixed precision with fp32 master weights) the stock head runs in the autocast dtype;
-        # cast explicitly (differentiably) so the op sees one dtype, then keep autocast off inside it.
-        device_type = hidden.device.type
-        if torch.is_autocast_enabled(device_type):
-            dtype = torch.get_autocast_dtype(device_type)
-            hidden, weight = hidden.to(dtype), weight.to(dtype)
-            bias = None if bias is None else bias.to(dtype)
-        autocast_off = torch.autocast(device_type, enabled=False) if device_type in ("cuda", "cpu") else None
-        with autocast_off or contextlib.nullcontext():
-            return fused_linear_cpo_loss(
-                hidden,
-                weight,
-                labels,
-                bias=bias,
-                beta=self.beta,
-                loss_type=self.loss_type,
-                label_smoothing=self.label_smoothing,
-                cpo_alpha=self.cpo_alpha,
-                simpo_gamma=getattr(self, "simpo_gamma", 0.5),
-                alpha=self.alpha,
-                backend=self._fused_backend,
-                chunk_bytes=self._fused_chunk_bytes,
-                memory=self._fused_memory,
-            )
+    def _ensure_fused_forward(self, model: nn.Module) -> None:
+        """Patch the causal LM's forward: at ``__init__``, and per batch on the model the batch runs on (``model_init``
+        or a hyperparameter search may have rebuilt it; an unpickled model comes back unpatched). Cheap once done."""
+        install_fused_forward(_causal_lm(self.accelerator.unwrap_model(model)), self._fused_head)
 
     def get_batch_loss_metrics(
         self, model, batch: dict[str, list | torch.LongTensor], train_eval: Literal["train", "eval"] = "train"
@@ -139,7 +139,7 @@ class FusedCPOTrainer(CPOTrainer):
         """TRL's loss and metrics (same keys and definitions) from the fused op."""
         if not self.use_fused_loss:
             return super().get_batch_loss_metrics(model, batch, train_eval)
-        self._ensure_fused_forward()
+        self._ensure_fused_forward(model)
         concatenated = self.concatenated_inputs(
             batch, is_encoder_decoder=False, padding_value=self.pad_token_id, device=self.accelerator.device
         )

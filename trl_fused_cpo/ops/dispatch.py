@@ -10,6 +10,7 @@ import torch
 from ..loss import CPOHyperparams, CPOLossOutput
 from . import rows_torch
 from .function import Chunks, LinearCPOFunction, Slabs
+from .grad_scale import GradScaleGuess
 
 # Trainable: 1.5 GiB (6,278 Llama-3 tokens) puts a 40%-masked B = 16 batch in one GEMM (whole_batch_tokens): measured
 # 47.9 against 49.6 ms at 1 GiB, 3.61 GiB peak; the full B = 16 batch runs 3 chunks instead of 4, same time, 3.68 GiB.
@@ -30,13 +31,20 @@ def _triton_available() -> bool:
     return True
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """``auto`` → ``triton`` on CUDA when Triton imports, else ``torch``."""
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    """``auto`` → ``triton`` on CUDA when Triton imports, else ``torch``; float64 always ``torch``: the Triton
+    kernels compute in float32, and a float64 caller asked for more."""
     if backend == "auto":
-        return "triton" if device.type == "cuda" and _triton_available() else "torch"
+        use_triton = device.type == "cuda" and dtype != torch.float64 and _triton_available()
+        return "triton" if use_triton else "torch"
     if backend not in ("torch", "triton"):
         raise ValueError(f"backend={backend!r} is not one of 'auto', 'torch', 'triton'.")
     if backend == "triton":
+        if dtype == torch.float64:
+            raise ValueError(
+                "backend='triton' computes in float32 and would silently lose float64's accuracy; use "
+                "backend='torch' (or 'auto') for float64 inputs."
+            )
         if not _triton_available():
             raise ImportError("backend='triton' needs the triton package: pip install triton")
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -110,12 +118,17 @@ def linear_cpo(
     backend: str,
     chunk_bytes: int | None,
     memory: str = "fast",
+    grad_guess: GradScaleGuess | None = None,
 ) -> CPOLossOutput:
-    resolved = resolve_backend(backend, hidden.device)
+    resolved = resolve_backend(backend, hidden.device, hidden.dtype)
     grad_on = torch.is_grad_enabled()
     schedule = choose_schedule(weight, chunk_bytes, memory, grad=grad_on)
+    if resolved == "triton" and not weight.is_contiguous():  # the kernels read rows of W; torch.mm takes any strides
+        weight = weight.contiguous()
     loss, chosen_logps, rejected_logps, chosen_rewards, rejected_rewards, nll, chosen_mean, rejected_mean = (
-        LinearCPOFunction.apply(hidden, weight, bias, labels, hp, ignore_index, schedule, row_ops(resolved), grad_on)
+        LinearCPOFunction.apply(
+            hidden, weight, bias, labels, hp, ignore_index, schedule, row_ops(resolved), grad_on, grad_guess
+        )
     )
     return CPOLossOutput(
         loss=loss,

@@ -3,8 +3,8 @@
 Per chunk of whole pairs (DESIGN.md §4): logits GEMM → per-token log-sum-exp and target logit → the chunk's CPO
 loss and per-token coefficients ``g_t = ∂L/∂log p_t`` → ``dlogits = g_t·(onehot − softmax)`` written over the
 logits buffer → ``dX = dlogits·W``, ``dW += dlogitsᵀ·X``. Three GEMMs per token (``6NVH``), one ``[C, V]``
-buffer. The gradients are computed for a guess of the incoming gradient (``grad_scale.py``); the autograd
-backward corrects them, which is free when the guess was right.
+buffer. The gradients are computed for a power of two of the incoming gradient (``grad_scale.py``); the autograd
+backward applies the rest, which is free when that power of two was the incoming gradient.
 
 The ``logits/*`` metrics (the mean logit over every position, TRL's ``logits.mean()``) come from the same pass:
 the log-sum-exp kernel also sums each labelled row, and the first chunk's GEMM carries 2B extra rows, each row's
@@ -43,6 +43,7 @@ def linear_cpo_forward(
     whole_batch_tokens: int | None,
     rows: ModuleType,
     need_grads: tuple[bool, bool, bool],
+    grad_guess: grad_scale.GradScaleGuess | None = None,
 ):
     """Loss, sequence log-probs, NLL and (where ``need_grads``) the gradients of hidden, weight and bias.
 
@@ -51,10 +52,11 @@ def linear_cpo_forward(
             ``softmax_grad_``, ``frozen_dx_``), the plan's label ops (``label_counts``, ``compact_labels``) and the
             per-sequence tail (``pair_tail_``, ``finish_``).
         need_grads: whether hidden, weight, bias need a gradient.
+        grad_guess: the caller's guess of the incoming gradient, if it keeps one (``grad_scale.py``).
 
     Returns:
-        ``(outputs, grads, guess)``: ``outputs`` as ``LinearCPOFunction`` returns them, the gradients computed for
-        an incoming gradient of ``guess`` (``grad_scale.py``; ``None`` without gradients).
+        ``(outputs, grads, folded)``: ``outputs`` as ``LinearCPOFunction`` returns them, the gradients computed for
+        an incoming gradient of ``folded``, a power of two (``grad_scale.py``; ``None`` without gradients).
     """
     num_rows, seq_len, hidden_size = hidden.shape
     vocab = weight.shape[0]
@@ -78,7 +80,6 @@ def linear_cpo_forward(
     acc_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32  # per-token and per-row math
     token_buffers = torch.empty(4 if frozen else 2, num_rows * seq_len, device=device, dtype=acc_dtype)
     stats = SequenceStats.empty(num_rows, device, acc_dtype)
-    guess = grad_scale.guess(device, acc_dtype) if any_grad else None
     row_coef = torch.empty(num_rows, device=device, dtype=acc_dtype) if any_grad else None  # ∂L/∂log p_t per row
     plan = plan_tokens(
         labels,
@@ -90,6 +91,7 @@ def linear_cpo_forward(
         layout=layout,
     )
     max_tokens = plan.max_tokens
+    folded = grad_scale.fold(grad_guess, hidden.dtype, device, plan.num_tokens, acc_dtype) if any_grad else None
     token_logp = token_buffers[0, : plan.num_tokens]
     token_sum = token_buffers[1, : plan.num_tokens]  # each labelled row's logit sum
     unlabelled_sum = None
@@ -137,7 +139,7 @@ def linear_cpo_forward(
                 if len(slices) == 1 and any_grad:
                     kept = (x, logits)
             del logits
-        rows.pair_tail_(stats, plan, token_logp, token_sum, group, hp, row_coef, guess)
+        rows.pair_tail_(stats, plan, token_logp, token_sum, group, hp, row_coef, folded)
         if not any_grad:
             continue
         if dx is None and need_dx:
@@ -186,7 +188,7 @@ def linear_cpo_forward(
         weight=None if dw is None else (dw if dw_written else torch.zeros_like(weight)),
         bias=db,
     )
-    return outputs, grads, guess
+    return outputs, grads, folded
 
 
 @dataclass(frozen=True)
@@ -208,11 +210,11 @@ class LinearCPOFunction(torch.autograd.Function):
     """Autograd wrapper: gradients are computed in the forward; the backward corrects their scale."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, hp, ignore_index, schedule, rows, grad_enabled):
+    def forward(ctx, hidden, weight, bias, labels, hp, ignore_index, schedule, rows, grad_enabled, grad_guess):
         # needs_input_grad follows requires_grad even under torch.no_grad(); eval must do forward work only.
         needs = [grad_enabled and n for n in ctx.needs_input_grad[:3]]
         need = (needs[0], needs[1], bias is not None and needs[2])
-        common = dict(ignore_index=ignore_index, rows=rows, need_grads=need)
+        common = dict(ignore_index=ignore_index, rows=rows, need_grads=need, grad_guess=grad_guess)
         if isinstance(schedule, Slabs):
             from .lean import linear_cpo_forward_lean
 
@@ -230,31 +232,34 @@ class LinearCPOFunction(torch.autograd.Function):
                 whole_batch_tokens=schedule.whole_batch_tokens,
                 **common,
             )
-        outputs, grads, guess = results
+        outputs, grads, folded = results
         # Kept on ctx, not save_for_backward: they are outputs of this op, corrected in place in the backward.
         ctx.grads = grads
-        ctx.guess = guess
+        ctx.folded = folded
+        ctx.grad_guess = grad_guess
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.mark_non_differentiable(*outputs[1:])
         return outputs
 
     @staticmethod
     def backward(ctx, grad_loss, *_metrics):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "fused_linear_cpo_loss cannot be differentiated twice (backward with create_graph=True: a "
+                "Hessian-vector product, a gradient penalty): its gradients are computed in the forward, so their "
+                "second-order part would be silently missing. Use the reference "
+                "(trl_fused_cpo.ops.reference.reference_linear_cpo_loss) for second-order work."
+            )
         grads = ctx.grads
         if grads is None:
             raise RuntimeError("fused_linear_cpo_loss: backward ran twice through one forward; run the forward again.")
         ctx.grads = None  # frees the stored gradients as they are handed over
-        ratio = grad_scale.correction(grad_loss, ctx.guess)
+        ratio = grad_scale.correction(grad_loss, ctx.folded, ctx.grad_guess)
         dtypes = ctx.dtypes
-        # None for labels, hp, ignore_index, schedule, rows, grad_enabled: not differentiable.
+        # None for labels, hp, ignore_index, schedule, rows, grad_enabled, grad_guess: not differentiable.
         return (
             grad_scale.apply(grads.hidden, ratio, dtypes[0]),
             grad_scale.apply(grads.weight, ratio, dtypes[1]),
             grad_scale.apply(grads.bias, ratio, dtypes[2]),
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
+            *(None,) * 7,
         )

@@ -40,6 +40,7 @@ def linear_cpo_forward_lean(
     slab_bytes: int,
     rows: ModuleType,
     need_grads: tuple[bool, bool, bool],
+    grad_guess: grad_scale.GradScaleGuess | None = None,
 ):
     """``function.linear_cpo_forward``'s contract (same arguments but the budget, same returns), in slabs."""
     num_rows, seq_len, hidden_size = hidden.shape
@@ -78,13 +79,13 @@ def linear_cpo_forward_lean(
     (everything,) = plan.groups  # one group: the budget is every position
     stats = SequenceStats.empty(num_rows, device, acc_dtype)
 
-    grads, guess = Grads(None, None, None), None
+    grads, folded = Grads(None, None, None), None
     if not any_grad:
         rows.pair_tail_(stats, plan, token_logp, token_sum, everything, hp)
     else:
-        guess = grad_scale.guess(device, acc_dtype)
+        folded = grad_scale.fold(grad_guess, hidden.dtype, device, n, acc_dtype)
         row_coef = torch.empty(num_rows, device=device, dtype=acc_dtype)
-        rows.pair_tail_(stats, plan, token_logp, token_sum, everything, hp, row_coef, guess)
+        rows.pair_tail_(stats, plan, token_logp, token_sum, everything, hp, row_coef, folded)
         grads = _slab_gradients(
             x[:n], weight, plan, slabs, slab_logits, lse, row_coef[plan.token_row], rows, need_grads
         )
@@ -92,7 +93,7 @@ def linear_cpo_forward_lean(
             dx = torch.zeros_like(x_all)
             dx.index_copy_(0, plan.token_index, grads.hidden.to(hidden.dtype))
             grads.hidden = dx.view_as(hidden)
-    return finish_outputs(rows, stats, plan, hp, unlabelled_sum, bias, seq_len, vocab), grads, guess
+    return finish_outputs(rows, stats, plan, hp, unlabelled_sum, bias, seq_len, vocab), grads, folded
 
 
 def _slab_gradients(x, weight, plan, slabs, slab_logits, lse, coef, rows, need_grads) -> Grads:
