@@ -25,7 +25,7 @@ import bench_common as bc
 import torch
 
 from trl_fused_cpo import fused_linear_cpo_loss
-from trl_fused_cpo.ops import rows_triton
+from trl_fused_cpo.ops import kernels as triton_backend
 from trl_fused_cpo.ops.gemm import accumulate_mm, mm_into
 
 
@@ -121,13 +121,13 @@ def main(argv: list[str] | None = None) -> dict:
     x = hidden.reshape(-1, h)[:c].contiguous()
     targets = labels.reshape(-1)[:c].clamp(min=0)
     logits = x @ weight.t()
-    lse = rows_triton.logsumexp_target(logits, targets)[0]
+    lse = triton_backend.logsumexp_target(logits, targets)[0]
     coef = torch.full((c,), -1e-3, device=dev)
     acc = torch.zeros(v, h, device=dev, dtype=torch.float32)
     stage = {
         "logits_gemm": bench(lambda: torch.mm(x, weight.t())),
-        "logsumexp_kernel": bench(lambda: rows_triton.logsumexp_target(logits, targets)),
-        "softmax_grad_kernel": bench(lambda: rows_triton.softmax_grad_(logits, lse, targets, coef)),
+        "logsumexp_kernel": bench(lambda: triton_backend.logsumexp_target(logits, targets)),
+        "softmax_grad_kernel": bench(lambda: triton_backend.softmax_grad_(logits, lse, targets, coef)),
         "dx_gemm": bench(lambda: torch.mm(logits, weight)),
         "dw_gemm_fp32_acc": bench(lambda: accumulate_mm(acc, logits.t(), x)),
         "dw_gemm_bf16": bench(lambda: torch.mm(logits.t(), x)),
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
     outs = torch.empty(4, c, device=dev)  # token log-prob, row sum, keep, inv
     copy_ms = bench(lambda: scratch.copy_(logits))
     stage["frozen_shifted_exp_kernel"] = (
-        bench(lambda: rows_triton.shifted_exp_(scratch.copy_(logits), targets, *outs)) - copy_ms
+        bench(lambda: triton_backend.shifted_exp_(scratch.copy_(logits), targets, *outs)) - copy_ms
     )
     stage["frozen_g_gemm_fp32_out"] = bench(lambda: mm_into(products, scratch, weight))
     flops_chunk = 2 * c * v * h

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trl_fused_cpo import fused_linear_cpo_loss
-from trl_fused_cpo.loss import LOSS_TYPES, CPOHyperparams
+from trl_fused_cpo.ops.cpo_math import LOSS_TYPES, CPOHyperparams
 from trl_fused_cpo.ops.reference import reference_linear_cpo_loss
 
 BACKENDS = ["torch"] + (["triton"] if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1" else [])
@@ -197,7 +197,7 @@ def test_property_triton_backend_equals_torch_backend(pairs, seq_len, v, seed):
 
 def test_auto_backend_keeps_float64_off_the_float32_kernels():
     """The Triton kernels compute in float32: float64 inputs on CUDA get the torch backend (float64 throughout)."""
-    from trl_fused_cpo.ops.dispatch import resolve_backend
+    from trl_fused_cpo.ops.backend import resolve_backend
 
     cuda = torch.device("cuda", 0)
     assert resolve_backend("auto", cuda, torch.float64) == "torch"

@@ -1,4 +1,4 @@
-"""memory="lean" (ops/lean.py): vocabulary slabs, logits twice, no fp32 dW accumulator; the same results."""
+"""memory="lean" (ops/slabs.py): vocabulary slabs, logits twice, no fp32 dW accumulator; the same results."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 from conftest import make_batch
 
 from trl_fused_cpo import fused_linear_cpo_loss
-from trl_fused_cpo.ops import dispatch, function
-from trl_fused_cpo.ops.lean import slab_bounds
+from trl_fused_cpo.ops.schedule import Chunks, NeedGrads, Slabs, choose_schedule
+from trl_fused_cpo.ops.slabs import slab_bounds
 
 OPTIONS = [
     dict(),
@@ -76,9 +76,10 @@ def test_lean_without_labels_incoming_gradient_and_eval():
 
 def test_a_frozen_head_keeps_the_default_schedule_and_bad_modes_are_refused():
     w = torch.zeros(300, 5)
-    assert isinstance(dispatch.choose_schedule(w, None, "lean", grad=True), function.Chunks)  # frozen
-    assert isinstance(dispatch.choose_schedule(w.requires_grad_(), None, "lean", grad=True), function.Slabs)
-    assert isinstance(dispatch.choose_schedule(w, None, "lean", grad=False), function.Slabs)  # eval
-    assert isinstance(dispatch.choose_schedule(w, None, "fast", grad=True), function.Chunks)
+    frozen, trainable, none = NeedGrads(True, False, False), NeedGrads(True, True, False), NeedGrads(False, False, False)
+    assert isinstance(choose_schedule(w, None, "lean", frozen), Chunks)
+    assert isinstance(choose_schedule(w, None, "lean", trainable), Slabs)
+    assert isinstance(choose_schedule(w, None, "lean", none), Slabs)  # eval
+    assert isinstance(choose_schedule(w, None, "fast", trainable), Chunks)
     with pytest.raises(ValueError, match="memory="):
-        dispatch.choose_schedule(w, None, "tiny", grad=True)
+        choose_schedule(w, None, "tiny", trainable)

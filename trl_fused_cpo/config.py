@@ -1,10 +1,25 @@
-"""FusedCPOConfig(CPOConfig): TRL's CPO config plus the fused-loss knobs, each a field with help text."""
+"""FusedCPOConfig(CPOConfig): TRL's CPO config plus the fused-loss knobs, each a field with help text, checked at
+construction as TRL checks its own fields."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from trl.experimental.cpo import CPOConfig
+
+from .ops.schedule import (
+    DEFAULT_CHUNK_BYTES_FROZEN,
+    DEFAULT_CHUNK_BYTES_NO_GRAD,
+    DEFAULT_CHUNK_BYTES_TRAINABLE,
+    MEMORY_MODES,
+    check_budget,
+)
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**30:g} GiB" if n >= 2**30 else f"{n >> 20} MiB"
 
 
 @dataclass
@@ -19,15 +34,16 @@ class FusedCPOConfig(CPOConfig):
         default="auto",
         metadata={
             "help": "Fused-loss backend: 'triton' (CUDA kernels), 'torch' (chunked torch ops, any device) or "
-            "'auto' (triton on CUDA, torch elsewhere).",
-            "choices": ["auto", "triton", "torch"],
+            "'auto' (triton on CUDA, torch elsewhere and for float64).",
+            "choices": list(BACKENDS),
         },
     )
     fused_chunk_bytes: int | None = field(
         default=None,
         metadata={
-            "help": "Bytes of the one [tokens, vocab] logits buffer alive at a time (default 1.5 GiB with a "
-            "trainable head, 384 MiB frozen, 1 GiB in eval). Lower = less memory; far lower = slower GEMMs."
+            "help": "Bytes of the one [tokens, vocab] logits buffer alive at a time (default "
+            f"{_mib(DEFAULT_CHUNK_BYTES_TRAINABLE)} with a trainable head, {_mib(DEFAULT_CHUNK_BYTES_FROZEN)} frozen, "
+            f"{_mib(DEFAULT_CHUNK_BYTES_NO_GRAD)} in eval). Lower = less memory; far lower = slower GEMMs."
         },
     )
     fused_memory: str = field(
@@ -36,16 +52,33 @@ class FusedCPOConfig(CPOConfig):
             "help": "'fast' (three products per token; an fp32 weight-gradient accumulator once a batch needs several "
             "chunks: 2 GiB at Llama-3 8B) or 'lean' (vocabulary slabs, logits computed twice, no accumulator: "
             "about 4/3 of the products, for a trainable head). A frozen head always runs 'fast'.",
-            "choices": ["fast", "lean"],
+            "choices": list(MEMORY_MODES),
         },
     )
 
+    def __post_init__(self):
+        if not isinstance(self.use_fused_loss, bool):
+            raise TypeError(f"use_fused_loss must be true or false; got {self.use_fused_loss!r}.")
+        if self.fused_backend not in BACKENDS:
+            raise ValueError(f"fused_backend={self.fused_backend!r} is not one of {list(BACKENDS)}.")
+        try:
+            check_budget(self.fused_chunk_bytes, self.fused_memory)
+        except (TypeError, ValueError) as err:  # name the config's fields, not the functional's arguments
+            message = str(err).replace("chunk_bytes", "fused_chunk_bytes").replace("memory=", "fused_memory=")
+            raise type(err)(message) from None
+        super().__post_init__()
+
+
+_FUSED_FIELDS = {f.name: f.default for f in fields(FusedCPOConfig) if f.name not in {g.name for g in fields(CPOConfig)}}
+
 
 def fused_options(args) -> dict:
-    """The fused knobs of ``args``, a ``FusedCPOConfig`` or a plain ``CPOConfig`` (then the defaults)."""
+    """The fused knobs of ``args``, a ``FusedCPOConfig`` or a plain ``CPOConfig`` (then ``FusedCPOConfig``'s
+    defaults), as the functional's keywords."""
+    value = {name: getattr(args, name, default) for name, default in _FUSED_FIELDS.items()}
     return {
-        "use_fused_loss": getattr(args, "use_fused_loss", True),
-        "backend": getattr(args, "fused_backend", "auto"),
-        "chunk_bytes": getattr(args, "fused_chunk_bytes", None),
-        "memory": getattr(args, "fused_memory", "fast"),
+        "use_fused_loss": value["use_fused_loss"],
+        "backend": value["fused_backend"],
+        "chunk_bytes": value["fused_chunk_bytes"],
+        "memory": value["fused_memory"],
     }

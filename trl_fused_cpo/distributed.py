@@ -1,7 +1,7 @@
 """Running the fused loss inside the wrapped model's forward, and as lm_head's own forward under ZeRO-3 and FSDP2.
 
 DDP's gradient hooks, FSDP's all-gathers and ZeRO-3's parameter fetches fire around the *wrapper's* forward.
-Calling the backbone from outside it skips them (DESIGN.md §3), so the trainer patches the causal LM's own
+Calling the backbone from outside it skips them (docs/design.md §3), so the trainer patches the causal LM's own
 ``forward``: with ``fused_cpo_labels=...`` it runs the backbone and the fused head and returns a ``CPOLossOutput``;
 without, it is the original forward (generation is unchanged).
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import types
 from collections.abc import Callable
+from dataclasses import fields
 
 import torch
 from torch import nn
@@ -37,8 +38,6 @@ def call_through_head(head: nn.Module, fn: Callable[..., object], hidden: torch.
     """
     if not _sharded(head):
         return fn(hidden, head.weight, getattr(head, "bias", None))
-    from dataclasses import fields
-
     result_type = []
 
     def fused_head_forward(h: torch.Tensor):

@@ -11,7 +11,7 @@ import torch
 from conftest import make_batch
 
 from trl_fused_cpo import fused_linear_cpo_loss
-from trl_fused_cpo.loss import CPOHyperparams
+from trl_fused_cpo.ops.cpo_math import CPOHyperparams
 from trl_fused_cpo.ops.reference import reference_linear_cpo_loss
 
 pytestmark = [
@@ -139,13 +139,13 @@ def test_large_vocab_rows_past_int32():
     rows, seq_len, h, v = 2, 8_500, 64, 128_256
     hidden, weight, _, labels = make_batch(rows, seq_len, h, v, dtype=torch.bfloat16, device="cuda", prompt_frac=0)
     labels[:, -1] = -100
-    from trl_fused_cpo.ops import rows_torch, rows_triton
+    from trl_fused_cpo.ops import kernels, torch_backend
 
     x = hidden.reshape(-1, h)[:16_900]
     logits = x @ weight.t()
     t = labels.reshape(-1)[:16_900].clamp(min=0)
-    lse, tgt, _ = rows_triton.logsumexp_target(logits, t)
-    lse_ref, tgt_ref, _ = rows_torch.logsumexp_target(logits[-64:], t[-64:])
+    lse, tgt, _ = kernels.logsumexp_target(logits, t)
+    lse_ref, tgt_ref, _ = torch_backend.logsumexp_target(logits[-64:], t[-64:])
     torch.testing.assert_close(lse[-64:], lse_ref, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(tgt[-64:], tgt_ref)
 
@@ -153,7 +153,7 @@ def test_large_vocab_rows_past_int32():
 def test_plan_counts_after_a_busy_queue():
     """The plan reads its counts only once the GPU wrote them: each batch queued behind a long matmul (so the
     counts are late) and with its own mask gives the plan that the CPU computes from the same labels."""
-    from trl_fused_cpo.ops import plan, rows_torch, rows_triton
+    from trl_fused_cpo.ops import kernels, plan, torch_backend
 
     busy = torch.randn(4096, 4096, device="cuda")
     for seed in range(4):
@@ -161,8 +161,8 @@ def test_plan_counts_after_a_busy_queue():
         args = dict(ignore_index=-100, vocab_size=1000, max_tokens=300)
         for _ in range(3):
             busy = busy @ busy / 64  # a few ms queued ahead of the counts (137 GFLOP each)
-        on_gpu = plan.plan_tokens(labels, ops=rows_triton, **args)
-        on_cpu = plan.plan_tokens(labels.cpu(), ops=rows_torch, **args)
+        on_gpu = plan.plan_tokens(labels, backend=kernels, **args)
+        on_cpu = plan.plan_tokens(labels.cpu(), backend=torch_backend, **args)
         assert on_gpu.row_counts_host == on_cpu.row_counts_host
         assert on_gpu.groups == on_cpu.groups
         torch.testing.assert_close(on_gpu.token_index.cpu(), on_cpu.token_index)

@@ -1,6 +1,6 @@
 """The Triton kernels on the CPU through TRITON_INTERPRET=1 (set in conftest), tiny fp32/fp16 shapes.
 
-The interpreter cannot do bf16 arithmetic (DESIGN.md §5); bf16 runs in tests/gpu. On a CUDA machine these run
+The interpreter cannot do bf16 arithmetic (docs/design.md §5); bf16 runs in tests/gpu. On a CUDA machine these run
 the compiled kernels on the GPU instead.
 """
 
@@ -13,7 +13,7 @@ import torch
 from conftest import make_batch
 
 from trl_fused_cpo import fused_linear_cpo_loss
-from trl_fused_cpo.ops import rows_torch
+from trl_fused_cpo.ops import torch_backend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(
@@ -24,26 +24,26 @@ pytestmark = pytest.mark.skipif(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows,vocab", [(1, 7), (5, 4097), (3, 8193), (7, 123)])
 def test_row_kernels_match_torch(dtype, rows, vocab):
-    from trl_fused_cpo.ops import rows_triton
+    from trl_fused_cpo.ops import kernels
 
     g = torch.Generator().manual_seed(rows * vocab)
     logits = (torch.randn(rows, vocab, generator=g) * 2).to(dtype).to(DEVICE)
     targets = torch.randint(0, vocab, (rows,), generator=g).to(DEVICE)
     coef = torch.randn(rows, generator=g).to(DEVICE)
-    lse, tgt, row_sum = rows_triton.logsumexp_target(logits, targets)
-    lse_ref, tgt_ref, row_sum_ref = rows_torch.logsumexp_target(logits, targets)
+    lse, tgt, row_sum = kernels.logsumexp_target(logits, targets)
+    lse_ref, tgt_ref, row_sum_ref = torch_backend.logsumexp_target(logits, targets)
     torch.testing.assert_close(lse, lse_ref, rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(tgt, tgt_ref)
     torch.testing.assert_close(row_sum, row_sum_ref, rtol=1e-5, atol=1e-3)
-    got = rows_triton.softmax_grad_(logits.clone(), lse_ref, targets, coef)
-    want = rows_torch.softmax_grad_(logits.clone(), lse_ref, targets, coef)
+    got = kernels.softmax_grad_(logits.clone(), lse_ref, targets, coef)
+    want = torch_backend.softmax_grad_(logits.clone(), lse_ref, targets, coef)
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-5)
     torch.testing.assert_close(got, want, **tol)
 
 
 @pytest.mark.parametrize("rows,seq_len", [(2, 5), (6, 37), (4, 2500)])  # 2500: two blocks of 2048 per row
 def test_plan_kernels_match_torch(rows, seq_len):
-    from trl_fused_cpo.ops import rows_triton
+    from trl_fused_cpo.ops import kernels
 
     g = torch.Generator().manual_seed(rows + seq_len)
     labels = torch.randint(0, 50, (rows, seq_len), generator=g)
@@ -51,19 +51,19 @@ def test_plan_kernels_match_torch(rows, seq_len):
     labels[1] = -100  # a row with no label
     labels[0, 0] = 50  # out of range
     labels = labels.to(DEVICE)
-    counts = rows_triton.label_counts(labels, -100, 50)
-    torch.testing.assert_close(counts.long(), rows_torch.label_counts(labels, -100, 50).long())
+    counts = kernels.label_counts(labels, -100, 50)
+    torch.testing.assert_close(counts.long(), torch_backend.label_counts(labels, -100, 50).long())
     n = int(counts[0].sum())
-    got = rows_triton.compact_labels(labels, counts[0], n, -100)
-    want = rows_torch.compact_labels(labels, counts[0], n, -100)
+    got = kernels.compact_labels(labels, counts[0], n, -100)
+    want = torch_backend.compact_labels(labels, counts[0], n, -100)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
     strided = torch.zeros(rows, seq_len + 3, dtype=labels.dtype, device=DEVICE)[:, :seq_len]
     strided.copy_(labels)  # a view with row stride T + 3
-    assert torch.equal(rows_triton.compact_labels(strided, counts[0], n, -100)[0], want[0])
+    assert torch.equal(kernels.compact_labels(strided, counts[0], n, -100)[0], want[0])
     # Sized for every position (plan.LabelLayout, queued before the count is known): the same first n entries,
     # and a token_index tail of valid positions, which a gather queued before the sync reads.
-    for ops in (rows_triton, rows_torch):
+    for ops in (kernels, torch_backend):
         every = ops.compact_labels(labels, counts[0], labels.numel(), -100)
         for a, b in zip(every, want, strict=True):
             assert a.shape == (labels.numel(),) and torch.equal(a[:n], b)
@@ -71,22 +71,22 @@ def test_plan_kernels_match_torch(rows, seq_len):
 
 
 def test_kernels_reject_bad_shapes():
-    from trl_fused_cpo.ops import rows_triton
+    from trl_fused_cpo.ops import kernels
 
     logits = torch.randn(4, 9, device=DEVICE)
     with pytest.raises(ValueError, match="targets"):
-        rows_triton.logsumexp_target(logits, torch.zeros(3, dtype=torch.long, device=DEVICE))
+        kernels.logsumexp_target(logits, torch.zeros(3, dtype=torch.long, device=DEVICE))
     with pytest.raises(ValueError, match="row-major"):
-        rows_triton.logsumexp_target(logits.t(), torch.zeros(9, dtype=torch.long, device=DEVICE))
+        kernels.logsumexp_target(logits.t(), torch.zeros(9, dtype=torch.long, device=DEVICE))
     # frozen_dx_'s per-token tensors: the shape and contiguity a kernel indexing ptr + token relies on
     g, weight, dx = (torch.randn(4, 8, device=DEVICE) for _ in range(3))
     per_token = torch.zeros(2, 4, dtype=torch.long, device=DEVICE)
     keep, inv, coef = torch.ones(4, device=DEVICE), torch.ones(4, device=DEVICE), torch.ones(2, device=DEVICE)
     with pytest.raises(ValueError, match="keep must be contiguous"):
         strided = torch.ones(8, device=DEVICE)[::2]
-        rows_triton.frozen_dx_(dx, per_token[0], g, weight, per_token[1], coef, per_token[0], strided, inv)
+        kernels.frozen_dx_(dx, per_token[0], g, weight, per_token[1], coef, per_token[0], strided, inv)
     with pytest.raises(ValueError, match="targets must be"):
-        rows_triton.frozen_dx_(dx, per_token[0], g, weight, per_token[1, :3], coef, per_token[0], keep, inv)
+        kernels.frozen_dx_(dx, per_token[0], g, weight, per_token[1, :3], coef, per_token[0], keep, inv)
 
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "simpo"])
@@ -128,7 +128,7 @@ def test_triton_backend_matches_torch_backend(loss_type, with_bias, frozen, memo
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_scale_cast_kernel(dtype):
-    from trl_fused_cpo.ops.backward_scale_kernels import scale_cast
+    from trl_fused_cpo.ops.kernels.backward_scale import scale_cast
 
     src = torch.randn(3, 10_001, device=DEVICE)
     scale = torch.tensor(0.37, device=DEVICE)
@@ -137,7 +137,7 @@ def test_scale_cast_kernel(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_rescale_kernel_scales_in_place_and_skips_a_ratio_of_one(dtype):
-    from trl_fused_cpo.ops.backward_scale_kernels import rescale_
+    from trl_fused_cpo.ops.kernels.backward_scale import rescale_
 
     t = torch.randn(5, 7_001, device=DEVICE).to(dtype)  # several grid-stride steps of 8192 elements
     want = (t.float() * 0.37).to(dtype)
@@ -154,8 +154,8 @@ def test_rescale_kernel_scales_in_place_and_skips_a_ratio_of_one(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("spread", [2.0, 100.0])  # 100: logits far above the target's, the rescaling path
 def test_frozen_grad_kernels_match_torch(dtype, spread):
-    """shifted_exp_ (E · inv = softmax without the target column) and frozen_dx_ against rows_torch."""
-    from trl_fused_cpo.ops import rows_triton
+    """shifted_exp_ (E · inv = softmax without the target column) and frozen_dx_ against torch_backend."""
+    from trl_fused_cpo.ops import kernels
 
     g = torch.Generator().manual_seed(int(spread))
     rows, vocab, hidden = 4, 8193 + 4096, 24  # two segments of 8,192, the second partly filled
@@ -171,8 +171,8 @@ def test_frozen_grad_kernels_match_torch(dtype, spread):
     got, want = logits.clone(), logits.clone()
     # Into views of larger per-token buffers, as function.py passes them (nothing else in them may change).
     bufs, bufs_r = (torch.full((4, rows + 3), 7.0, device=DEVICE) for _ in range(2))
-    rows_triton.shifted_exp_(got, targets, *bufs[:, 1 : rows + 1])
-    rows_torch.shifted_exp_(want, targets, *bufs_r[:, 1 : rows + 1])
+    kernels.shifted_exp_(got, targets, *bufs[:, 1 : rows + 1])
+    torch_backend.shifted_exp_(want, targets, *bufs_r[:, 1 : rows + 1])
     assert bool((bufs[:, 0] == 7).all() and (bufs[:, rows + 1 :] == 7).all())
     (logp, row_sum, keep, inv), (logp_r, row_sum_r, keep_r, inv_r) = bufs[:, 1 : rows + 1], bufs_r[:, 1 : rows + 1]
     torch.testing.assert_close(logp, logp_r, rtol=1e-6, atol=1e-5)
@@ -189,20 +189,20 @@ def test_frozen_grad_kernels_match_torch(dtype, spread):
     token_index = torch.tensor([5, 0, 2, 7], device=DEVICE)
     dx, dx_r = (torch.zeros(9, hidden, dtype=dtype, device=DEVICE) for _ in range(2))
     args = (products, weight, targets, coef, token_row, keep, inv)
-    rows_triton.frozen_dx_(dx, token_index, *args)
-    rows_torch.frozen_dx_(dx_r, token_index, *args)
+    kernels.frozen_dx_(dx, token_index, *args)
+    torch_backend.frozen_dx_(dx_r, token_index, *args)
     torch.testing.assert_close(dx, dx_r, rtol=1e-5 if dtype == torch.float32 else 1e-3, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_token_logps_kernel_writes_into_the_callers_buffers(dtype):
-    from trl_fused_cpo.ops import rows_triton
+    from trl_fused_cpo.ops import kernels
 
     g = torch.Generator().manual_seed(3)
     logits = (torch.randn(5, 9000, generator=g) * 2).to(dtype).to(DEVICE)
     targets = torch.randint(0, 9000, (5,), generator=g).to(DEVICE)
     results = []
-    for ops in (rows_triton, rows_torch):
+    for ops in (kernels, torch_backend):
         buf = torch.full((2, 8), 7.0, device=DEVICE)
         lse = ops.token_logps_(logits, targets, buf[0, 2:7], buf[1, 2:7])
         results.append((lse, buf))
@@ -211,7 +211,7 @@ def test_token_logps_kernel_writes_into_the_callers_buffers(dtype):
     torch.testing.assert_close(buf, buf_r, rtol=1e-5, atol=1e-2)
     assert bool((buf[:, :2] == 7).all() and (buf[:, 7:] == 7).all())
     with pytest.raises(ValueError, match="contiguous"):
-        rows_triton.token_logps_(logits, targets, torch.empty(10, device=DEVICE)[::2], buf[1, 2:7])
+        kernels.token_logps_(logits, targets, torch.empty(10, device=DEVICE)[::2], buf[1, 2:7])
 
 
 TAIL_OPTIONS = [
@@ -231,9 +231,9 @@ TAIL_OPTIONS = [
 @pytest.mark.parametrize("opts", TAIL_OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 def test_sequence_tail_kernels_match_torch(opts, grad, dtype):
     """pair_tail_ / finish_ (closed forms, one launch each) against the torch spec (autograd), group by group."""
-    from trl_fused_cpo.loss import CPOHyperparams
+    from trl_fused_cpo.ops import kernels
     from trl_fused_cpo.ops import plan as plan_mod
-    from trl_fused_cpo.ops import rows_triton
+    from trl_fused_cpo.ops.cpo_math import CPOHyperparams
     from trl_fused_cpo.ops.sequence import SequenceStats
 
     hp = CPOHyperparams.create(**opts)
@@ -243,7 +243,7 @@ def test_sequence_tail_kernels_match_torch(opts, grad, dtype):
     labels[torch.rand(rows, seq_len, generator=g) < 0.3] = -100
     labels[2] = -100  # a chosen row with no label: s = 0 (TRL: NaN with mean log-probs)
     labels = labels.to(DEVICE)
-    plan = plan_mod.plan_tokens(labels, ignore_index=-100, vocab_size=vocab, max_tokens=40)
+    plan = plan_mod.plan_tokens(labels, ignore_index=-100, vocab_size=vocab, max_tokens=40, backend=torch_backend)
     assert len(plan.groups) > 1
     n = plan.num_tokens
     token_logp = (-3 * torch.rand(n, generator=g, dtype=torch.float64)).to(dtype).to(DEVICE)
@@ -252,7 +252,7 @@ def test_sequence_tail_kernels_match_torch(opts, grad, dtype):
     bias = torch.randn(vocab, generator=g).to(DEVICE)
     guess = torch.tensor(0.5, dtype=dtype, device=DEVICE)
     results = []
-    for ops in (rows_torch, rows_triton):
+    for ops in (torch_backend, kernels):
         stats = SequenceStats.empty(rows, torch.device(DEVICE), dtype)
         coef = torch.full((rows,), float("nan"), dtype=dtype, device=DEVICE) if grad else None
         for group in plan.groups:

@@ -1,4 +1,4 @@
-"""The GEMM forms both schedules use (``function.py``, ``lean.py``): logits, and products into fp32."""
+"""The GEMM forms both schedules use (``chunks.py``, ``slabs.py``): logits, and products into fp32."""
 
 from __future__ import annotations
 

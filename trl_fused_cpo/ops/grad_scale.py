@@ -67,7 +67,7 @@ def apply(grad: torch.Tensor | None, ratio: torch.Tensor, dtype: torch.dtype | N
     if grad is None:
         return None
     if grad.is_cuda:
-        from .backward_scale_kernels import rescale_, scale_cast
+        from .kernels.backward_scale import rescale_, scale_cast
 
         return scale_cast(grad, ratio, dtype) if grad.dtype != dtype else rescale_(grad, ratio)
     if ratio.item() == 1:  # on the CPU .item() costs no sync

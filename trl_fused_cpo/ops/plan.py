@@ -13,15 +13,13 @@ from types import ModuleType
 
 import torch
 
-from . import rows_torch
-
 
 @dataclass(frozen=True)
 class ChunkGroup:
     """Pairs ``[pair_start, pair_end)`` whose tokens are ``[tok_start, tok_end)`` of the plan.
 
     A group is one logits buffer when its tokens fit the budget; a single pair longer than the budget is a group
-    of several slices (``function.py``: a frozen head scales their products afterwards, a trainable one computes
+    of several slices (``chunks.py``: a frozen head scales their products afterwards, a trainable one computes
     their logits twice, once for the log-probs and once for the gradients).
     """
 
@@ -77,7 +75,7 @@ class LabelLayout:
 
     Sized for every position (``[2B * T]``): the first N entries are the labelled tokens (N is known only after
     the plan's host sync), and the rest of ``token_index`` holds valid positions, so that a gather over any prefix
-    can be queued before the sync (``function.py`` gathers the first chunk's hidden states that way).
+    can be queued before the sync (``chunks.py`` gathers the first chunk's hidden states that way).
     """
 
     counts: torch.Tensor  # [2, 2B] int32: labelled tokens per row, out-of-range labels per row
@@ -88,13 +86,13 @@ class LabelLayout:
     counts_ready: torch.cuda.Event | None = None  # recorded after that copy
 
 
-def lay_out_labels(labels: torch.Tensor, *, ignore_index: int, vocab_size: int, ops: ModuleType) -> LabelLayout:
+def lay_out_labels(labels: torch.Tensor, *, ignore_index: int, vocab_size: int, backend: ModuleType) -> LabelLayout:
     """Queue the label counts and the pair-ordered compaction: no host synchronisation.
 
     On CUDA the counts are copied to pinned host memory as soon as they exist, behind an event: the plan's sync
     then waits for them only, not for the compaction and the gathers queued after, which run while the host plans.
     """
-    counts = ops.label_counts(labels, ignore_index, vocab_size)
+    counts = backend.label_counts(labels, ignore_index, vocab_size)
     counts_host = counts_ready = None
     if counts.is_cuda:
         counts_host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
@@ -103,7 +101,7 @@ def lay_out_labels(labels: torch.Tensor, *, ignore_index: int, vocab_size: int, 
         # On the counts' device, where the copy was queued: the current device may be another one (the torch backend
         # runs on any device), and an event there would not wait for the copy.
         counts_ready.record(torch.cuda.current_stream(counts.device))
-    token_index, token_row, targets = ops.compact_labels(labels, counts[0], labels.numel(), ignore_index)
+    token_index, token_row, targets = backend.compact_labels(labels, counts[0], labels.numel(), ignore_index)
     return LabelLayout(counts, token_index, token_row, targets, counts_host, counts_ready)
 
 
@@ -114,7 +112,7 @@ def plan_tokens(
     vocab_size: int,
     max_tokens: int,
     whole_batch_tokens: int | None = None,
-    ops: ModuleType = rows_torch,
+    backend: ModuleType,
     layout: LabelLayout | None = None,
 ) -> TokenPlan:
     """Compact the labelled positions of ``labels`` ``[2B, T]`` into pair-ordered, budgeted chunks.
@@ -125,11 +123,11 @@ def plan_tokens(
     Args:
         whole_batch_tokens: a batch with at most this many labelled tokens is one chunk whatever ``max_tokens``
             says (the caller's larger budget for a single GEMM, which needs no fp32 weight-gradient accumulator).
-        ops: ``rows_torch`` or ``rows_triton``, for ``label_counts`` and ``compact_labels``.
+        backend: ``torch_backend`` or ``kernels`` (``backend.py``), for ``label_counts`` and ``compact_labels``.
         layout: ``lay_out_labels``' result, where the caller queued work on it before this sync.
     """
     if layout is None:
-        layout = lay_out_labels(labels, ignore_index=ignore_index, vocab_size=vocab_size, ops=ops)
+        layout = lay_out_labels(labels, ignore_index=ignore_index, vocab_size=vocab_size, backend=backend)
     rows = labels.shape[0]
     num_pairs = rows // 2
     if layout.counts_ready is not None:  # the one sync

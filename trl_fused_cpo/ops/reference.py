@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..loss import CPOHyperparams, CPOLossOutput, cpo_pair_losses
+from .cpo_math import CPOHyperparams, CPOLossOutput, cpo_pair_losses
 
 
 def reference_linear_cpo_loss(

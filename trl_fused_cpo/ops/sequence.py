@@ -3,7 +3,7 @@
 After a chunk group's log-probs are known, ``pair_tail_`` turns them into its pairs' sequence log-probs, losses,
 rewards and the per-row coefficients ``∂L/∂log p_t`` its gradients need; ``finish_`` reduces the per-pair results
 to the outputs once every group is done. Both write into ``SequenceStats``, device buffers filled group by group.
-The torch versions here are the spec (and the CPU backend); ``sequence_kernels.py`` does each in one Triton launch,
+The torch versions here are the spec (and the CPU backend); ``kernels/sequence.py`` does each in one Triton launch,
 where torch takes about forty small ones per group (≈ 2-3 µs of GPU time each, 3-5% of an eval call at B = 2).
 """
 
@@ -12,15 +12,12 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING
 
 import torch
 
-from ..loss import CPOHyperparams, cpo_pair_loss_grads, cpo_pair_losses
+from .cpo_math import CPOHyperparams, cpo_pair_loss_grads, cpo_pair_losses
 from .gemm import logits
-
-if TYPE_CHECKING:  # plan.py imports the row ops, which import this module
-    from .plan import ChunkGroup, TokenPlan
+from .plan import ChunkGroup, TokenPlan
 
 
 @dataclass
@@ -74,12 +71,12 @@ def pair_tail_(
     group: ChunkGroup,
     hp: CPOHyperparams,
     row_coef: torch.Tensor | None = None,
-    guess: torch.Tensor | None = None,
+    fold: torch.Tensor | None = None,
 ) -> None:
     """Fill ``stats`` for the pairs of ``group`` from its tokens' log-probs and logit sums.
 
     With ``row_coef`` (``[2B]``, the accumulator dtype): also write the group's rows of ``∂L/∂log p_t``, the pair
-    term (over the length for mean-type log-probs) plus the NLL term, times the incoming-gradient guess. Rows of
+    term (over the length for mean-type log-probs) plus the NLL term, times ``fold`` (``grad_scale.py``). Rows of
     other groups are left as they are.
     """
     num_rows = plan.row_counts.numel()
@@ -108,8 +105,8 @@ def pair_tail_(
         d_chosen = d_chosen / divisor[pairs]
         if hp.cpo_alpha != 0 and plan.num_chosen_tokens:
             d_chosen = d_chosen - hp.cpo_alpha / plan.num_chosen_tokens
-        row_coef[pairs] = d_chosen.to(row_coef.dtype) * guess
-        row_coef[rejected_rows] = (d_rejected / divisor[rejected_rows]).to(row_coef.dtype) * guess
+        row_coef[pairs] = d_chosen.to(row_coef.dtype) * fold
+        row_coef[rejected_rows] = (d_rejected / divisor[rejected_rows]).to(row_coef.dtype) * fold
     stats.pair_losses[pairs] = losses
     stats.chosen_rewards[pairs] = chosen_r.float()
     stats.rejected_rewards[pairs] = rejected_r.float()
@@ -126,7 +123,7 @@ def finish_(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(loss, nll, chosen_logits_mean, rejected_logits_mean)`` once every group has written ``stats``.
 
-    ``unlabelled_sum`` ``[2B]``: each row's logits summed over its unlabelled positions (``function.py``). The
+    ``unlabelled_sum`` ``[2B]``: each row's logits summed over its unlabelled positions (``chunks.py``). The
     means are TRL's ``logits.mean()`` of each half: every position, every vocabulary column.
     """
     num_pairs = plan.row_counts.numel() // 2
@@ -145,7 +142,7 @@ def finish_(
 
 
 def finish_outputs(
-    rows: ModuleType,
+    backend: ModuleType,
     stats: SequenceStats,
     plan: TokenPlan,
     hp: CPOHyperparams,
@@ -154,9 +151,9 @@ def finish_outputs(
     seq_len: int,
     vocab: int,
 ) -> tuple[torch.Tensor, ...]:
-    """``LinearCPOFunction``'s outputs, ``rows.finish_`` applied: ``(loss, chosen_logps, rejected_logps,
+    """``LinearCPOFunction``'s outputs, ``backend.finish_`` applied: ``(loss, chosen_logps, rejected_logps,
     chosen_rewards, rejected_rewards, nll, chosen_logits_mean, rejected_logits_mean)``."""
-    loss, nll, chosen_mean, rejected_mean = rows.finish_(stats, plan, hp, unlabelled_sum, bias, seq_len, vocab)
+    loss, nll, chosen_mean, rejected_mean = backend.finish_(stats, plan, hp, unlabelled_sum, bias, seq_len, vocab)
     per_pair = (stats.chosen_logps, stats.rejected_logps, stats.chosen_rewards, stats.rejected_rewards)
     return (loss, *per_pair, nll, chosen_mean, rejected_mean)
 

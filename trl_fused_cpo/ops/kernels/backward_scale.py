@@ -1,4 +1,4 @@
-"""Triton kernels that apply the backward's correction ``ratio = grad_loss / guess`` (``grad_scale.py``).
+"""Triton kernels that apply the backward's correction ``ratio = grad_loss / fold`` (``grad_scale.py``).
 
 ``scale_cast``: the fp32 ``dW`` accumulator becomes the bf16 gradient, scaled on the way: one read of 2 GiB and
 one write of 1 GiB (0.75 ms at Llama-3 8B) instead of a cast then a scale (1.2 ms).

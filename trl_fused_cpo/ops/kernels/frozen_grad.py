@@ -20,13 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .logsumexp_kernel import SEGMENT_COLS, logsumexp_target
-from .row_checks import check_row_pass_args
+from .checks import check_row_pass_args
+from .logsumexp import SEGMENT_COLS, logsumexp_target
 
 SHIFT_LIMIT = 64.0  # exp(64) ≈ 6e27: Σ over 128k columns stays far from fp32's 3e38
 # One warp per program, 512 columns a load, the next block's load issued before this one's guard: 0.160 ms for
 # 1,024 rows of Llama-3 bf16 logits (3.29 TB/s) where 2,048 columns × 4 warps without it took 0.215 ms (2.44 TB/s)
-# (scripts/sweep_shifted_exp.py, docs/results/shifted_exp_sweep*.json; docs/kernel-notes.md, v11).
+# (scripts/sweep_shifted_exp.py at 5712b4b; docs/kernel-notes.md, v11).
 EXP_BLOCK, EXP_WARPS = 512, 1
 
 

@@ -2,7 +2,7 @@
 
 Before its one host sync the op is launch-bound, not GPU-bound: the GPU waits for the host to queue each small
 op (≈ 1.5 ms at B = 4 through a profiler, 7% of the call). Both are queued before the sync (``compact_labels``
-sized for every position, ``plan.LabelLayout``); the layout they write is ``rows_torch``'s (the spec).
+sized for every position, ``plan.LabelLayout``); the layout they write is ``torch_backend``'s (the spec).
 """
 
 from __future__ import annotations

@@ -22,9 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..loss import CPOHyperparams
-from .plan import ChunkGroup, TokenPlan
-from .sequence import SequenceStats
+from ..cpo_math import CPOHyperparams
+from ..plan import ChunkGroup, TokenPlan
+from ..sequence import SequenceStats
 
 LOSS_CODES = {"sigmoid": 0, "simpo": 0, "hinge": 1, "ipo": 2}
 
@@ -86,7 +86,7 @@ def _pair_tail_kernel(
     row_logp_ptr,
     row_logit_ptr,
     coef_ptr,
-    guess_ptr,
+    fold_ptr,
     hp_ptr,
     pair_start,
     num_pairs,
@@ -153,13 +153,13 @@ def _pair_tail_kernel(
     tl.store(row_logit_ptr + i, logit_c)
     tl.store(row_logit_ptr + j, logit_r)
     if GRAD:
-        guess = tl.load(guess_ptr)
+        fold = tl.load(fold_ptr)
         coef_c = dl_du * dc_t / num_pairs / div_c
         if NLL:
             coef_c -= cpo_alpha / num_chosen
         coef_r = -dl_du * dr_t / num_pairs / div_r
-        tl.store(coef_ptr + i, coef_c.to(guess.dtype) * guess)
-        tl.store(coef_ptr + j, coef_r.to(guess.dtype) * guess)
+        tl.store(coef_ptr + i, coef_c.to(fold.dtype) * fold)
+        tl.store(coef_ptr + j, coef_r.to(fold.dtype) * fold)
 
 
 @triton.jit
@@ -222,7 +222,7 @@ def pair_tail_(
     group: ChunkGroup,
     hp: CPOHyperparams,
     row_coef: torch.Tensor | None = None,
-    guess: torch.Tensor | None = None,
+    fold: torch.Tensor | None = None,
 ) -> None:
     """``sequence.pair_tail_`` in one launch: one program per pair of ``group``."""
     num_rows = plan.row_counts.numel()
@@ -235,7 +235,7 @@ def pair_tail_(
         token_logp, token_sum, plan.row_counts,
         stats.chosen_logps, stats.rejected_logps, stats.chosen_rewards, stats.rejected_rewards, stats.pair_losses,
         stats.row_logp_sums, stats.row_logit_sums,
-        row_coef if grad else stats.pair_losses, guess if grad else stats.pair_losses, _hp_tensor(hp, token_logp.device),
+        row_coef if grad else stats.pair_losses, fold if grad else stats.pair_losses, _hp_tensor(hp, token_logp.device),
         group.pair_start, num_pairs, max(plan.num_chosen_tokens, 1),
         LOSS=LOSS_CODES[hp.loss_type], SIMPO=hp.loss_type == "simpo",
         NLL=hp.cpo_alpha != 0 and plan.num_chosen_tokens > 0, AVERAGE=hp.average_log_prob, ALPHAPO=hp.alpha != 0.0,

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .row_checks import check_row_pass_args
+from .checks import check_row_pass_args
 
 
 @triton.jit

@@ -55,7 +55,7 @@ def shifted_exp_(
     keep: torch.Tensor,
     inv: torch.Tensor,
 ) -> None:
-    """A frozen head's one pass (``frozen_grad_kernels.py``): ``logits`` becomes ``E`` with ``E · inv`` the softmax
+    """A frozen head's one pass (``kernels/frozen_grad.py``): ``logits`` becomes ``E`` with ``E · inv`` the softmax
     without the target column; writes ``token_logp``, ``row_sum``, ``keep = 1 − p(target)`` and ``inv``. Here the
     shift is the log-sum-exp itself, so ``inv`` is 1."""
     lse = token_logps_(logits, targets, token_logp, row_sum)

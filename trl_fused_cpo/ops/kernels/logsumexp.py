@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .row_checks import check_row_pass_args
+from .checks import check_row_pass_args
 
 SEGMENT_COLS, BLOCK_V, NUM_WARPS = 8192, 2048, 4  # 16 segments of a Llama-3 row; 2048 bf16 = 4 KB a load
 COMBINE_ROWS = 128

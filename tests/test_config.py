@@ -1,0 +1,42 @@
+"""FusedCPOConfig refuses a bad knob when it is built, as TRL's configs do, not at the first forward."""
+
+from __future__ import annotations
+
+import pytest
+
+from trl_fused_cpo import FusedCPOConfig
+from trl_fused_cpo.config import fused_options
+
+
+def _config(**knobs) -> FusedCPOConfig:
+    return FusedCPOConfig(output_dir="/tmp/unused", use_cpu=True, bf16=False, report_to=[], **knobs)
+
+
+@pytest.mark.parametrize(
+    "knobs, error, match",
+    [
+        (dict(fused_chunk_bytes=0), ValueError, "fused_chunk_bytes must be positive"),
+        (dict(fused_chunk_bytes=-(1 << 20)), ValueError, "fused_chunk_bytes must be positive"),
+        (dict(fused_chunk_bytes=1.5e9), TypeError, "fused_chunk_bytes must be an int"),
+        (dict(fused_chunk_bytes=True), TypeError, "fused_chunk_bytes must be an int"),
+        (dict(fused_memory="tiny"), ValueError, "fused_memory='tiny'"),
+        (dict(fused_backend="cuda"), ValueError, "fused_backend='cuda'"),
+        (dict(use_fused_loss="yes"), TypeError, "use_fused_loss"),
+    ],
+)
+def test_bad_knobs_fail_at_construction(knobs, error, match):
+    with pytest.raises(error, match=match):
+        _config(**knobs)
+
+
+def test_defaults_live_in_one_place_and_a_plain_cpo_config_gets_them():
+    from trl.experimental.cpo import CPOConfig
+
+    plain = CPOConfig(output_dir="/tmp/unused", use_cpu=True, bf16=False, report_to=[])
+    assert fused_options(plain) == fused_options(_config())
+    assert fused_options(_config(fused_chunk_bytes=1 << 28, fused_memory="lean")) == {
+        "use_fused_loss": True,
+        "backend": "auto",
+        "chunk_bytes": 1 << 28,
+        "memory": "lean",
+    }
