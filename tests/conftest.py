@@ -6,6 +6,7 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -14,6 +15,9 @@ if not torch.cuda.is_available():
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 import pytest  # noqa: E402
+from trl.experimental.cpo import CPOTrainer  # noqa: E402
+
+from trl_fused_cpo.ops.cpo_math import CPOHyperparams  # noqa: E402
 
 
 def make_batch(
@@ -67,3 +71,45 @@ def load_script(name: str):
     sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+OPTIONS = [
+    dict(loss_type="sigmoid"),
+    dict(loss_type="sigmoid", label_smoothing=0.2, beta=0.3),
+    dict(loss_type="sigmoid", cpo_alpha=0.0),
+    dict(loss_type="hinge", beta=0.05),
+    dict(loss_type="ipo", beta=0.5),
+    dict(loss_type="simpo", simpo_gamma=0.8, beta=2.0),
+    dict(loss_type="simpo", cpo_alpha=0.5, label_smoothing=0.1),
+    dict(loss_type="alphapo", alpha=0.25, beta=2.5),
+    dict(loss_type="sigmoid", alpha=0.05),
+    dict(loss_type="ipo", alpha=-0.3),
+]
+
+
+def trl_reference(hidden, weight, bias, labels, **opts):
+    """TRL 1.16's CPOTrainer math, called on materialised float64 logits (labels unshifted, as TRL takes them)."""
+    hp = CPOHyperparams.create(**opts)
+    fake = SimpleNamespace(
+        beta=hp.beta,
+        loss_type=hp.loss_type,
+        label_smoothing=hp.label_smoothing,
+        simpo_gamma=hp.simpo_gamma,
+        alpha=hp.alpha,
+        accelerator=SimpleNamespace(device=hidden.device),
+    )
+    logits = hidden.double() @ weight.double().t() + bias.double()
+    # TRL shifts inside get_batch_logps: our labels[:, t] is its labels[:, t + 1], so it never scores our last
+    # position, which the trainer always leaves unlabelled.
+    assert (labels[:, -1] == -100).all()
+    trl_labels = torch.nn.functional.pad(labels, (1, 0), value=-100)[:, :-1]
+    logps = CPOTrainer.get_batch_logps(logits, trl_labels, average_log_prob=hp.average_log_prob)
+    b = hidden.shape[0] // 2
+    losses, cr, rr = CPOTrainer.cpo_loss(fake, logps[:b], logps[b:])
+    if hp.cpo_alpha == 0:
+        nll = torch.zeros((), dtype=torch.float64)
+    else:
+        nll = torch.nn.functional.cross_entropy(
+            logits[:b].reshape(-1, logits.shape[-1]), labels[:b].reshape(-1), ignore_index=-100
+        )
+    return hp, losses.mean() + hp.cpo_alpha * nll, logps[:b], logps[b:], cr, rr, nll

@@ -8,6 +8,7 @@ import torch
 from conftest import make_batch
 
 from trl_fused_cpo import fused_linear_cpo_loss
+from trl_fused_cpo.ops.grad_scale import GradScaleGuess
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = ["torch", "triton"]
@@ -57,3 +58,32 @@ def test_fp16_gradients_as_accurate_as_a_scaled_fp32_reference():
         for g, t in zip(got, truth, strict=True):
             err = ((g.double() / grad_loss - t).norm() / t.norm()).item()
             assert err < 5e-3, f"grad_loss {grad_loss}: relative error {err:.2e}"
+
+
+def test_incoming_gradient_scales_every_gradient():
+    hidden, weight, bias, labels = make_batch(4, 9, 5, 17)
+    a = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    b = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    (0.25 * fused_linear_cpo_loss(a[0], a[1], labels, bias=a[2], backend="torch").loss).backward()
+    fused_linear_cpo_loss(b[0], b[1], labels, bias=b[2], backend="torch").loss.backward()
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x.grad, 0.25 * y.grad)
+
+
+@pytest.mark.parametrize("keep_guess", [False, True], ids=["per-call", "kept-guess"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_changing_incoming_gradients_are_all_applied(backend, keep_guess):
+    """A kept guess of grad_loss (ops/grad_scale.py, as the trainer keeps one): right, wrong, zero, back to 1."""
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    hidden, weight, bias, labels = make_batch(4, 9, 5, 17, dtype=torch.float32, device=device)
+    ref = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    fused_linear_cpo_loss(ref[0], ref[1], labels, bias=ref[2], backend="torch").loss.backward()
+    guess = GradScaleGuess() if keep_guess else None
+    for scale in (0.25, 0.25, 3.0, 0.0, 0.0, 1.0, 1.0):
+        leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+        out = fused_linear_cpo_loss(
+            leaves[0], leaves[1], labels, bias=leaves[2], backend=backend, grad_scale_guess=guess
+        )
+        (scale * out.loss).backward()
+        for got, want in zip(leaves, ref, strict=True):
+            torch.testing.assert_close(got.grad, scale * want.grad, rtol=1e-5, atol=1e-7)

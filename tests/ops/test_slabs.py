@@ -76,7 +76,11 @@ def test_lean_without_labels_incoming_gradient_and_eval():
 
 def test_a_frozen_head_keeps_the_default_schedule_and_bad_modes_are_refused():
     w = torch.zeros(300, 5)
-    frozen, trainable, none = NeedGrads(True, False, False), NeedGrads(True, True, False), NeedGrads(False, False, False)
+    frozen, trainable, none = (
+        NeedGrads(True, False, False),
+        NeedGrads(True, True, False),
+        NeedGrads(False, False, False),
+    )
     assert isinstance(choose_schedule(w, None, "lean", frozen), Chunks)
     assert isinstance(choose_schedule(w, None, "lean", trainable), Slabs)
     assert isinstance(choose_schedule(w, None, "lean", none), Slabs)  # eval
