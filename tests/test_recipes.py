@@ -119,6 +119,12 @@ def test_method_recipes_say_what_their_name_says():
             assert "lm_head" not in (model_args.lora_target_modules or []), "the fused loss refuses a LoRA lm_head"
 
 
+def test_recipes_keep_the_columns_cpo_collates():
+    # CPOTrainer's collator reads prompt/chosen/rejected columns; with true it sets false itself and warns.
+    for recipe in RECIPES:
+        assert parse(recipe)[1].remove_unused_columns is False, recipe
+
+
 def test_tiny_recipe_is_the_cpu_demo():
     script_args, args, model_args = parse("recipes/dev/tiny_cpo.yaml")
     assert model_args.model_name_or_path == TOY_MODEL_NAME and script_args.dataset_name == "toy"
