@@ -1,12 +1,14 @@
-"""Recipe plumbing for ``scripts/train_cpo.py``: script arguments, the strict YAML parser, data and model loading.
+"""Recipe plumbing for the launcher (:mod:`trl_fused_cpo.train`): script arguments, the strict parser, data and model.
 
-The script owns the lifecycle (parse, load, validate, train, evaluate, save); this module owns the pieces it is made
+The launcher owns the lifecycle (parse, load, validate, train, evaluate, save); this module owns the pieces it is made
 of, so tests can exercise them without launching a run:
 
 - :class:`CPOScriptArguments` (TRL's ``ScriptArguments`` plus the toy model and sample caps) and :func:`make_parser`:
   ``TrlParser((CPOScriptArguments, FusedCPOConfig, ModelConfig))`` that refuses unknown or misspelled recipe keys and
-  out-of-range choices *by name*, before anything loads.
-- :func:`load_preference_dataset`: a hub name, a local jsonl/json/parquet file or folder, or ``toy`` (shipped data).
+  flags, recipe values of the wrong type and out-of-range choices *by name*, before anything loads; a short
+  ``--help`` (``--help-all`` for every field).
+- :func:`load_preference_dataset`: a hub name, a local jsonl/json/parquet file or folder, or ``toy`` (shipped data);
+  a local file that is empty, not UTF-8 or not JSON lines fails with its path and line.
 - :func:`validate_preference_dataset`: the checks CPOTrainer does not make (missing columns, empty completions,
   conversational data without a chat template), each failing with the column, the example index or the fix.
 - :func:`load_model_and_tokenizer`: the embedded toy model, or ``from_pretrained`` with dtype and (Q)LoRA settings.
@@ -255,8 +257,8 @@ class RecipeParser(TrlParser):
         if unknown:
             hints = [repr(key) + did_you_mean(key, actions) for key in unknown]
             raise RecipeError(
-                f"{where}: unknown key(s) {', '.join(hints)}. Every recipe key must be a field of "
-                "CPOScriptArguments, FusedCPOConfig or ModelConfig (see `trl-fused-cpo --help-all`)."
+                f"{where}: unknown key(s) {', '.join(hints)}. Every recipe key must be a field of CPOScriptArguments, "
+                "FusedCPOConfig or ModelConfig (`python -m trl_fused_cpo.train --help-all` lists them)."
             )
         for key, value in kwargs.items():
             choices = actions[key].choices

@@ -12,8 +12,8 @@
 Lifecycle: parse (:func:`make_parser`: ``TrlParser`` over ``CPOScriptArguments``, ``FusedCPOConfig``, ``ModelConfig``;
 unknown keys or flags, values of the wrong type and bad choices fail by name) → load model + tokenizer (toy
 in-process, or ``from_pretrained`` with dtype/QLoRA) → load and validate the preference data → ``FusedCPOTrainer``
-(LoRA through ``get_peft_config``) → train → evaluate when an eval split exists (without one, evaluation is off, with
-one logged line) → save the model (the adapter under LoRA) and tokenizer to ``output_dir``.
+(LoRA through ``get_peft_config``) → train → evaluate when an eval split exists (without one, evaluation is off,
+with one logged line) → save the model (the adapter under LoRA) and tokenizer to ``output_dir``.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ SMALL_DATASET_ROWS = 10_000
 
 
 def main(script_args: CPOScriptArguments, training_args: FusedCPOConfig, model_args) -> dict[str, float]:
-    """Train, evaluate and save one recipe; returns the final metrics (``train_*`` and, with an eval split, ``eval_*``)."""
+    """Train, evaluate and save one recipe; returns the final metrics (``train_*``; ``eval_*`` with an eval split)."""
     import datasets
     import transformers
     from transformers.trainer_utils import IntervalStrategy
