@@ -84,6 +84,9 @@ class FusedHead:
     loss_kwargs: dict
     grad_scale_guess: GradScaleGuess = field(default_factory=GradScaleGuess)
 
+    # torch_compile: Dynamo compiles the backbone and stops here (one graph break). Traced, the op broke into 29
+    # graphs on the toy model, 3 min of CPU compile for 3 steps (host syncs, torch.autograd.grad, generators).
+    @torch.compiler.disable
     def __call__(self, hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor):
         def loss(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
             return fused_linear_cpo_loss(
@@ -127,11 +130,35 @@ class FusedCPOTrainer(CPOTrainer):
         if reason is not None:
             raise ValueError(reason)
         self._ensure_fused_forward(self.model)
+        if self.args.use_liger_kernel:
+            self._liger_backbone_only()
+
+    def _liger_backbone_only(self) -> None:
+        """``use_liger_kernel``: Liger's backbone kernels (RMSNorm, SwiGLU, RoPE) under the fused CPO head.
+
+        ``Trainer.train`` applies Liger after ``__init__``; its default ``fused_linear_cross_entropy`` replaces the
+        model's forward with Liger's own (an SFT loss that CPO never reaches: it passes no labels) and so drops the
+        fused forward, which the next batch reinstalls above Accelerate's autocast wrapper: bf16 mixed precision
+        then ran the backbone in fp32. Off, Liger patches the modules only and the fused forward stays in place.
+        """
+        config = dict(self.args.liger_kernel_config or {})
+        if config.get("fused_linear_cross_entropy"):
+            logger.warning(
+                "FusedCPOTrainer: Liger's fused_linear_cross_entropy is turned off; the fused CPO head is the loss."
+            )
+        self.args.liger_kernel_config = {**config, "fused_linear_cross_entropy": False}
+        logger.info(
+            "FusedCPOTrainer: use_liger_kernel: Liger's backbone kernels (RMSNorm, SwiGLU, RoPE where the model has "
+            f"them; liger_kernel_config={self.args.liger_kernel_config}) with the fused CPO head for the loss."
+        )
 
     def _ensure_fused_forward(self, model: nn.Module) -> None:
         """Patch the causal LM's forward: at ``__init__``, and per batch on the model the batch runs on (``model_init``
         or a hyperparameter search may have rebuilt it; an unpickled model comes back unpatched). Cheap once done."""
-        install_fused_forward(_causal_lm(self.accelerator.unwrap_model(model)), self._fused_head)
+        # keep_torch_compile=False: patching torch.compile's wrapper ran the backbone uncompiled, and its forward
+        # then called the compiled model, which called it again (RecursionError on any call without labels).
+        unwrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False)
+        install_fused_forward(_causal_lm(unwrapped), self._fused_head)
 
     def get_batch_loss_metrics(
         self, model, batch: dict[str, list | torch.LongTensor], train_eval: Literal["train", "eval"] = "train"
