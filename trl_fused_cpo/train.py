@@ -43,23 +43,37 @@ SMALL_DATASET_ROWS = 10_000
 
 def main(script_args: CPOScriptArguments, training_args: FusedCPOConfig, model_args) -> dict[str, float]:
     """Train, evaluate and save one recipe; returns the final metrics (``train_*``; ``eval_*`` with an eval split)."""
-    import datasets
     import transformers
-    from transformers.trainer_utils import IntervalStrategy
     from trl import get_peft_config
-
-    from .trainer import FusedCPOTrainer
 
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     log_level = training_args.get_process_log_level()
     logger.setLevel(log_level)
     transformers.utils.logging.set_verbosity(log_level)
 
-    # Model and tokenizer.
     model, tokenizer = load_model_and_tokenizer(script_args, training_args, model_args)
     peft_config = get_peft_config(model_args)
+    train_dataset, eval_dataset = _load_splits(script_args, training_args, tokenizer)
+    trainer = _build_trainer(script_args, training_args, model, tokenizer, peft_config, train_dataset, eval_dataset)
+    metrics = _train_and_evaluate(trainer, training_args, evaluate=eval_dataset is not None)
 
-    # Data: the train split is required; evaluation runs when the eval split exists.
+    # Save: the full model, or only the adapter under LoRA; the tokenizer goes with it (Trainer saves
+    # processing_class).
+    trainer.save_model(training_args.output_dir)
+    trainer.save_state()
+    what = "adapter" if peft_config is not None else "model"
+    trainer.accelerator.print(f"Saved {what} and tokenizer to {training_args.output_dir}")
+    # Destroy the process group before exit, as torch asks: without it NCCL warns "process group has NOT been
+    # destroyed" on every rank. No-op in one process.
+    trainer.accelerator.end_training()
+    return metrics
+
+
+def _load_splits(script_args: CPOScriptArguments, training_args: FusedCPOConfig, tokenizer):
+    """``(train, eval or None)``, capped and validated: the train split is required; evaluation runs when the eval
+    split exists (without one it is turned off, saying so)."""
+    from transformers.trainer_utils import IntervalStrategy
+
     dataset = load_preference_dataset(script_args)
     if script_args.dataset_train_split not in dataset:
         raise ValueError(
@@ -77,13 +91,21 @@ def main(script_args: CPOScriptArguments, training_args: FusedCPOConfig, model_a
     validate_preference_dataset(train_dataset, tokenizer, split=script_args.dataset_train_split)
     if eval_dataset is not None:
         validate_preference_dataset(eval_dataset, tokenizer, split=script_args.dataset_test_split)
+    return train_dataset, eval_dataset
+
+
+def _build_trainer(script_args, training_args, model, tokenizer, peft_config, train_dataset, eval_dataset):
+    """``FusedCPOTrainer`` (it tokenizes both splits: their progress bars only where that takes a while)."""
+    import datasets
+
+    from .trainer import FusedCPOTrainer
 
     bars = datasets.is_progress_bar_enabled()
     rows = len(train_dataset) + (len(eval_dataset) if eval_dataset is not None else 0)
     if training_args.disable_tqdm or rows < SMALL_DATASET_ROWS:
         datasets.disable_progress_bars()
     try:
-        trainer = FusedCPOTrainer(  # tokenizes both splits here
+        trainer = FusedCPOTrainer(
             model=model,
             args=training_args,
             train_dataset=train_dataset,
@@ -100,13 +122,16 @@ def main(script_args: CPOScriptArguments, training_args: FusedCPOConfig, model_a
         trainer.model._ddp_params_and_buffers_to_ignore = [
             name for name, buffer in trainer.model.named_buffers() if buffer.dtype == torch.bool
         ]
+    return trainer
 
-    # Train, then evaluate once at the end (besides any eval_strategy evaluations).
+
+def _train_and_evaluate(trainer, training_args: FusedCPOConfig, *, evaluate: bool) -> dict[str, float]:
+    """Train, then evaluate once at the end (besides any eval_strategy evaluations); the metrics of both."""
     train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     metrics = {f"train_{k}" if not k.startswith("train_") else k: v for k, v in train_result.metrics.items()}
     trainer.log_metrics("train", train_result.metrics)
     trainer.save_metrics("train", train_result.metrics)
-    if eval_dataset is not None:
+    if evaluate:
         eval_metrics = trainer.evaluate()
         trainer.log_metrics("eval", eval_metrics)
         trainer.save_metrics("eval", eval_metrics)
@@ -116,16 +141,6 @@ def main(script_args: CPOScriptArguments, training_args: FusedCPOConfig, model_a
             f"rewards/margins {eval_metrics.get('eval_rewards/margins', float('nan')):.4f}, "
             f"loss {eval_metrics.get('eval_loss', float('nan')):.4f}"
         )
-
-    # Save: the full model, or only the adapter under LoRA; the tokenizer goes with it (Trainer saves
-    # processing_class).
-    trainer.save_model(training_args.output_dir)
-    trainer.save_state()
-    what = "adapter" if peft_config is not None else "model"
-    trainer.accelerator.print(f"Saved {what} and tokenizer to {training_args.output_dir}")
-    # Destroy the process group before exit, as torch asks: without it NCCL warns "process group has NOT been
-    # destroyed" on every rank. No-op in one process.
-    trainer.accelerator.end_training()
     return metrics
 
 
