@@ -4,9 +4,15 @@ import os
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # CPOTrainer lives in trl.experimental since trl 0.29
 
-from .loss import CPOLossOutput, fused_linear_cpo_loss  # noqa: E402
+from .loss import CPOLossOutput, fused_linear_cpo_loss, fused_linear_cpo_loss_packed  # noqa: E402
 
-__all__ = ["CPOLossOutput", "FusedCPOConfig", "FusedCPOTrainer", "fused_linear_cpo_loss"]
+__all__ = [
+    "CPOLossOutput",
+    "FusedCPOConfig",
+    "FusedCPOTrainer",
+    "fused_linear_cpo_loss",
+    "fused_linear_cpo_loss_packed",
+]
 __version__ = "0.1.0"
 
 

@@ -15,11 +15,14 @@ import torch
 from .ops.cpo_math import CPOHyperparams, CPOLossOutput, LossType
 from .ops.function import Backend, linear_cpo
 from .ops.grad_scale import GradScaleGuess
+from .ops.rows import PackedRows, PaddedRows
 
-__all__ = ["CPOLossOutput", "fused_linear_cpo_loss"]
+__all__ = ["CPOLossOutput", "fused_linear_cpo_loss", "fused_linear_cpo_loss_packed"]
 
 
-def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None):
+def _check_inputs(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None, *, rows_even=True
+):
     if hidden.dim() != 3:
         raise ValueError(f"hidden must be [2B, T, H]; got shape {tuple(hidden.shape)}.")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[2]:
@@ -31,7 +34,7 @@ def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
             f"labels must be [2B, T] = {tuple(hidden.shape[:2])} (the shape of hidden without H); "
             f"got shape {tuple(labels.shape)}."
         )
-    if hidden.shape[0] % 2 != 0 or hidden.shape[0] == 0:
+    if rows_even and (hidden.shape[0] % 2 != 0 or hidden.shape[0] == 0):
         raise ValueError(
             f"hidden has {hidden.shape[0]} rows; expected an even, non-zero number: B chosen rows then B rejected."
         )
@@ -126,6 +129,68 @@ def fused_linear_cpo_loss(
     """
     hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
     _check_inputs(hidden, weight, labels, bias)
+    hp = _hyperparams(beta, loss_type, label_smoothing, cpo_alpha, simpo_gamma, alpha)
+    with _autocast_off(hidden.device.type):
+        rows = PaddedRows(labels, ignore_index)
+        return linear_cpo(
+            hidden, weight, rows, bias, hp, backend=backend, chunk_bytes=chunk_bytes, memory=memory,
+            grad_guess=grad_scale_guess,
+        )  # fmt: skip
+
+
+def fused_linear_cpo_loss_packed(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    sequence: torch.Tensor,
+    *,
+    row_lengths: torch.Tensor,
+    shared_pair: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    beta: float = 0.1,
+    loss_type: LossType = "sigmoid",
+    label_smoothing: float = 0.0,
+    cpo_alpha: float = 1.0,
+    simpo_gamma: float = 0.5,
+    alpha: float = 0.0,
+    ignore_index: int = -100,
+    backend: Backend = "auto",
+    chunk_bytes: int | None = None,
+    memory: Literal["fast", "lean"] = "fast",
+    grad_scale_guess: GradScaleGuess | None = None,
+) -> CPOLossOutput:
+    """``fused_linear_cpo_loss`` on a packed batch (``trl_fused_cpo.packing``): no padding, and with
+    ``prefix_shared`` each pair's prompt once. The same loss, log-probs, rewards and NLL as the padded call on the
+    same pairs; ``chosen_logits_mean``/``rejected_logits_mean`` are over the positions each half's sequences have
+    (a padded batch also averages its padding).
+
+    Args:
+        hidden: ``[N, H]`` (or ``[1, N, H]``) final hidden states of the packed row.
+        weight, bias: the lm_head's, as in ``fused_linear_cpo_loss``.
+        labels: ``[N]`` int64, already shifted: the token position ``t`` predicts in its own sequence, or
+            ``ignore_index``.
+        sequence: ``[N]`` int64, the row whose sequence position ``t``'s label scores, in TRL's order: ``i`` for
+            the chosen completion of pair ``i``, ``B + i`` for its rejected one; ``-1`` where there is none.
+        row_lengths: ``[2B]`` int64, the positions of each of those sequences (its prompt included).
+        shared_pair: ``[N]`` int64, the pair whose prompt position ``t`` is when both sequences of a pair share it
+            (``prefix_shared``); ``-1`` elsewhere. None: nothing is shared (``padding_free``).
+        beta, ..., grad_scale_guess: as in ``fused_linear_cpo_loss``.
+    """
+    hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
+    x = hidden.reshape(-1, hidden.shape[-1])
+    shared_pair = torch.full_like(sequence, -1) if shared_pair is None else shared_pair
+    _check_packed_inputs(x, weight, labels, sequence, row_lengths, shared_pair, bias)
+    hp = _hyperparams(beta, loss_type, label_smoothing, cpo_alpha, simpo_gamma, alpha)
+    with _autocast_off(hidden.device.type):
+        rows = PackedRows.create(labels, sequence, shared_pair, row_lengths.to(labels.device), ignore_index)
+        out = linear_cpo(
+            hidden, weight, rows, bias, hp, backend=backend, chunk_bytes=chunk_bytes, memory=memory,
+            grad_guess=grad_scale_guess,
+        )  # fmt: skip
+    return out
+
+
+def _hyperparams(beta, loss_type, label_smoothing, cpo_alpha, simpo_gamma, alpha) -> CPOHyperparams:
     hp = CPOHyperparams.create(
         beta=beta,
         loss_type=loss_type,
@@ -135,17 +200,17 @@ def fused_linear_cpo_loss(
         alpha=alpha,
     )
     if hp.loss_type in ("hinge", "ipo") and hp.label_smoothing > 0:
-        warnings.warn(f"label_smoothing is ignored by loss_type={hp.loss_type!r} (as in TRL).", stacklevel=2)
-    with _autocast_off(hidden.device.type):
-        return linear_cpo(
-            hidden,
-            weight,
-            labels,
-            bias,
-            hp,
-            ignore_index=ignore_index,
-            backend=backend,
-            chunk_bytes=chunk_bytes,
-            memory=memory,
-            grad_guess=grad_scale_guess,
-        )
+        warnings.warn(f"label_smoothing is ignored by loss_type={hp.loss_type!r} (as in TRL).", stacklevel=3)
+    return hp
+
+
+def _check_packed_inputs(x, weight, labels, sequence, row_lengths, shared_pair, bias) -> None:
+    n = x.shape[0]
+    for name, t in (("labels", labels), ("sequence", sequence), ("shared_pair", shared_pair)):
+        if t.shape != (n,):
+            raise ValueError(f"{name} must be [N] = [{n}] (one entry per packed position); got {tuple(t.shape)}.")
+        if t.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"{name} must be int64; got {t.dtype}.")
+    if row_lengths.dim() != 1 or row_lengths.numel() % 2 or row_lengths.numel() == 0:
+        raise ValueError(f"row_lengths must be [2B] (chosen rows then rejected); got {tuple(row_lengths.shape)}.")
+    _check_inputs(x[None], weight, labels[None], bias, rows_even=False)

@@ -29,6 +29,7 @@ def test_whole_batch_budget_makes_one_gemm_only_for_a_trainable_low_precision_he
     from trl_fused_cpo.ops import torch_backend
     from trl_fused_cpo.ops.function import FusedOpOptions, LinearCPOFunction
     from trl_fused_cpo.ops.plan import plan_tokens
+    from trl_fused_cpo.ops.rows import PaddedRows
     from trl_fused_cpo.ops.schedule import Chunks, NeedGrads, whole_batch_tokens
 
     # Llama-3 8B: a 1 GiB budget holds 4,185 tokens; one GEMM needs no 2 GiB fp32 accumulator, so it may hold 8,281.
@@ -45,7 +46,7 @@ def test_whole_batch_budget_makes_one_gemm_only_for_a_trainable_low_precision_he
     real = gemm.accumulate_mm
     monkeypatch.setattr(gemm, "accumulate_mm", lambda *a, first: (firsts.append(first), real(*a, first=first)))
     leaves = [t.clone().requires_grad_(True) for t in (hidden, weight)]
-    options = FusedOpOptions(CPOHyperparams(), -100, Chunks(3, n), torch_backend, NeedGrads(True, True, False))
-    loss = LinearCPOFunction.apply(*leaves, None, labels, options)
+    options = FusedOpOptions(CPOHyperparams(), Chunks(3, n), torch_backend, NeedGrads(True, True, False))
+    loss = LinearCPOFunction.apply(*leaves, None, PaddedRows(labels, -100), options)
     loss[0].backward()
     assert firsts == [True]  # one dW GEMM, written directly

@@ -19,27 +19,20 @@ import torch
 
 from . import gemm, grad_scale
 from .cpo_math import CPOHyperparams
-from .plan import ChunkGroup, first_slice_bound, lay_out_labels, plan_tokens
+from .plan import ChunkGroup, first_slice_bound, plan_tokens
+from .rows import PackedRows, PaddedRows
 from .schedule import Chunks, NeedGrads
-from .sequence import (
-    Grads,
-    SequenceStats,
-    finish_outputs,
-    unlabelled_hidden_sums,
-    unlabelled_logit_sums,
-    warn_where_trl_gives_nan,
-)
+from .sequence import Grads, SequenceStats, unlabelled_logit_sums, warn_where_trl_gives_nan
 
 
 def chunked_forward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    labels: torch.Tensor,
+    rows: PaddedRows | PackedRows,
     hp: CPOHyperparams,
     schedule: Chunks,
     *,
-    ignore_index: int,
     backend: ModuleType,
     need: NeedGrads,
     grad_guess: grad_scale.GradScaleGuess | None = None,
@@ -47,7 +40,8 @@ def chunked_forward(
     """Loss, sequence log-probs, NLL and (where ``need``) the gradients of hidden, weight and bias.
 
     Args:
-        hidden, weight, bias, labels, hp: as ``fused_linear_cpo_loss`` takes them (``hp`` normalised).
+        hidden, weight, bias, hp: as ``fused_linear_cpo_loss`` takes them (``hp`` normalised).
+        rows: where TRL's 2B rows are among the positions of ``hidden``, with their labels (``rows.py``).
         schedule: the token budget (``schedule.py``).
         backend: ``torch_backend`` or ``kernels`` (``backend.py``).
         need: which gradients to compute.
@@ -57,7 +51,7 @@ def chunked_forward(
         ``(outputs, grads, fold)``: ``outputs`` as ``LinearCPOFunction`` returns them, the gradients computed for
         an incoming gradient of ``fold``, a power of two (``grad_scale.py``; ``None`` without gradients).
     """
-    run = _ChunkedPass(hidden, weight, bias, labels, hp, schedule, ignore_index, backend, need, grad_guess)
+    run = _ChunkedPass(hidden, weight, bias, rows, hp, schedule, backend, need, grad_guess)
     run.plan_tokens()
     for group in run.plan.groups:
         if need.frozen_head:
@@ -71,28 +65,27 @@ class _ChunkedPass:
     """One call's state, shared by its steps: queue the first GEMM's inputs, plan (the one host sync), then each
     group of pairs (frozen or trainable), then the outputs."""
 
-    def __init__(self, hidden, weight, bias, labels, hp, schedule, ignore_index, backend, need, grad_guess):
-        self.hidden, self.weight, self.bias, self.labels, self.hp = hidden, weight, bias, labels, hp
-        self.ignore_index, self.backend, self.need, self.grad_guess = ignore_index, backend, need, grad_guess
-        self.schedule = schedule
-        num_rows, seq_len, hidden_size = hidden.shape
+    def __init__(self, hidden, weight, bias, rows, hp, schedule, backend, need, grad_guess):
+        self.hidden, self.weight, self.bias, self.rows, self.hp = hidden, weight, bias, rows, hp
+        self.backend, self.need, self.grad_guess, self.schedule = backend, need, grad_guess, schedule
+        num_rows, num_positions, hidden_size = rows.num_rows, rows.num_positions, hidden.shape[-1]
         device = hidden.device
-        self.x_all = hidden.reshape(num_rows * seq_len, hidden_size)
+        self.x_all = hidden.reshape(num_positions, hidden_size)
         # Queued before the plan's host sync, so that after it the host launches the first GEMM at once (the GPU
         # idles from the sync to that launch): the label layout, and the first GEMM's rows, the 2B unlabelled-sum
         # rows then the first tokens, gathered for the largest first slice the plan can make.
-        self.layout = lay_out_labels(labels, ignore_index=ignore_index, vocab_size=weight.shape[0], backend=backend)
+        self.layout = rows.lay_out(weight.shape[0], backend)
         self.extras = num_rows
-        self.first_rows = first_slice_bound(num_rows * seq_len, schedule.max_tokens, schedule.whole_batch_tokens)
+        self.first_rows = first_slice_bound(num_positions, schedule.max_tokens, schedule.whole_batch_tokens)
         self.first_x = torch.empty(self.extras + self.first_rows, hidden_size, device=device, dtype=hidden.dtype)
-        self.first_x[: self.extras] = unlabelled_hidden_sums(hidden.detach(), labels, ignore_index)
+        self.first_x[: self.extras] = rows.unlabelled_hidden_sums(self.x_all.detach())
         index = self.layout.token_index[: self.first_rows]
         torch.index_select(self.x_all.detach(), 0, index, out=self.first_x[self.extras :])
         # The per-token buffers too, sized by the positions (the labelled count is known only after the sync), and
         # the per-row ones: ≈ 12 allocations that would otherwise stand between the sync and the first GEMM's launch.
         self.acc_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32  # per-token/row math
         buffers = 4 if need.frozen_head else 2
-        self.token_buffers = torch.empty(buffers, num_rows * seq_len, device=device, dtype=self.acc_dtype)
+        self.token_buffers = torch.empty(buffers, num_positions, device=device, dtype=self.acc_dtype)
         self.stats = SequenceStats.empty(num_rows, device, self.acc_dtype)
         # ∂L/∂log p_t per row
         self.row_coef = torch.empty(num_rows, device=device, dtype=self.acc_dtype) if need.any else None
@@ -104,8 +97,8 @@ class _ChunkedPass:
     def plan_tokens(self) -> None:
         """The plan (the one host sync) and the per-token views it sizes."""
         self.plan = plan = plan_tokens(
-            self.labels,
-            ignore_index=self.ignore_index,
+            self.rows.labels,
+            ignore_index=self.rows.ignore_index,
             vocab_size=self.weight.shape[0],
             max_tokens=self.schedule.max_tokens,
             whole_batch_tokens=self.schedule.whole_batch_tokens,
@@ -234,12 +227,9 @@ class _ChunkedPass:
         plan, weight, bias = self.plan, self.weight, self.bias
         warn_where_trl_gives_nan(plan.row_counts_host, self.hp)
         if self.unlabelled_sum is None:  # no labelled token at all: no chunk GEMM carried the extra rows
-            unlabelled_hidden = unlabelled_hidden_sums(self.hidden.detach(), self.labels, self.ignore_index)
+            unlabelled_hidden = self.rows.unlabelled_hidden_sums(self.x_all.detach())
             self.unlabelled_sum = unlabelled_logit_sums(unlabelled_hidden, weight, bias, self.acc_dtype)
-        seq_len = self.hidden.shape[1]
-        outputs = finish_outputs(
-            self.backend, self.stats, plan, self.hp, self.unlabelled_sum, bias, seq_len, weight.shape[0]
-        )
+        outputs = self.rows.finish(self.backend, self.stats, plan, self.hp, self.unlabelled_sum, bias, weight.shape[0])
         grads = Grads(
             hidden=None if self.dx is None else self.dx.view_as(self.hidden),
             weight=None if self.dw is None else (self.dw if self.dw_written else torch.zeros_like(weight)),

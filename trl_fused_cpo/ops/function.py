@@ -12,6 +12,7 @@ from . import grad_scale
 from .backend import Backend, backend_module, resolve_backend
 from .chunks import chunked_forward
 from .cpo_math import CPOHyperparams, CPOLossOutput
+from .rows import PackedRows, PaddedRows
 from .schedule import Chunks, NeedGrads, Slabs, choose_schedule
 from .slabs import slab_forward
 
@@ -24,7 +25,6 @@ class FusedOpOptions:
 
     Attributes:
         hp: the CPO hyperparameters, normalised.
-        ignore_index: label value of unlabelled positions.
         schedule: ``Chunks`` or ``Slabs``, with its budget (``schedule.py``).
         backend: ``torch_backend`` or ``kernels`` (``backend.py``).
         need: which inputs get a gradient.
@@ -32,7 +32,6 @@ class FusedOpOptions:
     """
 
     hp: CPOHyperparams
-    ignore_index: int
     schedule: Chunks | Slabs
     backend: ModuleType
     need: NeedGrads
@@ -43,16 +42,15 @@ class LinearCPOFunction(torch.autograd.Function):
     """Autograd wrapper: gradients are computed in the forward; the backward corrects their scale."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, options: FusedOpOptions):
+    def forward(ctx, hidden, weight, bias, rows: PaddedRows | PackedRows, options: FusedOpOptions):
         forward = slab_forward if isinstance(options.schedule, Slabs) else chunked_forward
         outputs, grads, fold = forward(
             hidden,
             weight,
             bias,
-            labels,
+            rows,
             options.hp,
             options.schedule,
-            ignore_index=options.ignore_index,
             backend=options.backend,
             need=options.need,
             grad_guess=options.grad_guess,
@@ -82,7 +80,7 @@ class LinearCPOFunction(torch.autograd.Function):
             grad_scale.apply(grads.hidden, ratio, dtypes[0]),
             grad_scale.apply(grads.weight, ratio, dtypes[1]),
             grad_scale.apply(grads.bias, ratio, dtypes[2]),
-            None,  # labels: integer
+            None,  # rows: the layout and its integer labels
             None,  # options: not a tensor
         )
 
@@ -90,11 +88,10 @@ class LinearCPOFunction(torch.autograd.Function):
 def linear_cpo(
     hidden: torch.Tensor,
     weight: torch.Tensor,
-    labels: torch.Tensor,
+    rows: PaddedRows | PackedRows,
     bias: torch.Tensor | None,
     hp: CPOHyperparams,
     *,
-    ignore_index: int,
     backend: str,
     chunk_bytes: int | None,
     memory: str = "fast",
@@ -107,9 +104,9 @@ def linear_cpo(
     schedule = choose_schedule(weight, chunk_bytes, memory, need)
     if resolved == "triton" and not weight.is_contiguous():  # the kernels read rows of W; torch.mm takes any strides
         weight = weight.contiguous()
-    options = FusedOpOptions(hp, ignore_index, schedule, backend_module(resolved), need, grad_guess)
+    options = FusedOpOptions(hp, schedule, backend_module(resolved), need, grad_guess)
     loss, chosen_logps, rejected_logps, chosen_rewards, rejected_rewards, nll, chosen_mean, rejected_mean = (
-        LinearCPOFunction.apply(hidden, weight, bias, labels, options)
+        LinearCPOFunction.apply(hidden, weight, bias, rows, options)
     )
     return CPOLossOutput(
         loss=loss,

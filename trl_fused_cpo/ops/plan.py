@@ -78,7 +78,8 @@ class LabelLayout:
     can be queued before the sync (``chunks.py`` gathers the first chunk's hidden states that way).
     """
 
-    counts: torch.Tensor  # [2, 2B] int32: labelled tokens per row, out-of-range labels per row
+    counts: torch.Tensor  # [2, 2B] int32: labelled tokens per row, out-of-range labels per row (packed: a third
+    # row, labelled positions that name no sequence)
     token_index: torch.Tensor
     token_row: torch.Tensor
     targets: torch.Tensor
@@ -93,6 +94,39 @@ def lay_out_labels(labels: torch.Tensor, *, ignore_index: int, vocab_size: int, 
     then waits for them only, not for the compaction and the gathers queued after, which run while the host plans.
     """
     counts = backend.label_counts(labels, ignore_index, vocab_size)
+    token_index, token_row, targets = backend.compact_labels(labels, counts[0], labels.numel(), ignore_index)
+    return LabelLayout(counts, token_index, token_row, targets, *_copy_counts_to_host(counts))
+
+
+def lay_out_packed_labels(
+    labels: torch.Tensor, sequence: torch.Tensor, num_rows: int, *, ignore_index: int, vocab_size: int
+) -> LabelLayout:
+    """``lay_out_labels`` for a packed batch: ``labels`` ``[N]`` (already shifted) and ``sequence`` ``[N]``, the
+    row (``i`` chosen of pair ``i``, ``B + i`` its rejected) each position's label scores. The same pair order;
+    torch ops on any device (a stable sort: positions within a row keep their order), no host synchronisation."""
+    num_pairs = num_rows // 2
+    labelled = labels != ignore_index
+    named = labelled & (sequence >= 0)
+    row = torch.where(named, sequence, num_rows)  # row num_rows: a bin for the rest, dropped below
+    bad = named & ((labels < 0) | (labels >= vocab_size))
+    unnamed = labelled & (sequence < 0)
+    counts = torch.stack(
+        [
+            torch.bincount(row, minlength=num_rows + 1)[:num_rows],
+            torch.bincount(torch.where(bad, sequence, num_rows), minlength=num_rows + 1)[:num_rows],
+            torch.bincount(torch.where(unnamed, 0, num_rows), minlength=num_rows + 1)[:num_rows],
+        ]
+    ).int()
+    rank = torch.where(named, (row % num_pairs) * 2 + (row >= num_pairs), num_rows)  # chosen i, rejected B+i, ...
+    token_index = torch.sort(rank, stable=True).indices
+    token_row = row[token_index].clamp(max=num_rows - 1)
+    targets = labels[token_index].clamp(min=0)  # past the labelled tokens: any valid id (never read)
+    return LabelLayout(counts, token_index, token_row, targets, *_copy_counts_to_host(counts))
+
+
+def _copy_counts_to_host(counts: torch.Tensor) -> tuple[torch.Tensor | None, torch.cuda.Event | None]:
+    """On CUDA, the counts copied to pinned memory behind an event, queued now: the plan's sync waits for this copy
+    only, not for the compaction and the gathers queued after it. ``(None, None)`` elsewhere."""
     counts_host = counts_ready = None
     if counts.is_cuda:
         counts_host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
@@ -101,8 +135,7 @@ def lay_out_labels(labels: torch.Tensor, *, ignore_index: int, vocab_size: int, 
         # On the counts' device, where the copy was queued: the current device may be another one (the torch backend
         # runs on any device), and an event there would not wait for the copy.
         counts_ready.record(torch.cuda.current_stream(counts.device))
-    token_index, token_row, targets = backend.compact_labels(labels, counts[0], labels.numel(), ignore_index)
-    return LabelLayout(counts, token_index, token_row, targets, counts_host, counts_ready)
+    return counts_host, counts_ready
 
 
 def plan_tokens(
@@ -128,7 +161,7 @@ def plan_tokens(
     """
     if layout is None:
         layout = lay_out_labels(labels, ignore_index=ignore_index, vocab_size=vocab_size, backend=backend)
-    rows = labels.shape[0]
+    rows = layout.counts.shape[1]
     num_pairs = rows // 2
     if layout.counts_ready is not None:  # the one sync
         layout.counts_ready.synchronize()
@@ -136,6 +169,11 @@ def plan_tokens(
     else:
         host = layout.counts.tolist()
     row_counts_host, num_bad = host[0], sum(host[1])
+    if len(host) > 2 and sum(host[2]):
+        raise ValueError(
+            f"{sum(host[2])} labelled position(s) name no sequence (sequence = -1): a packed batch's labels must "
+            "belong to a chosen or rejected row (shared prompt positions carry no label)."
+        )
     if num_bad:
         mask = labels != ignore_index
         bad_ids = labels[mask & ((labels < 0) | (labels >= vocab_size))][:5].tolist()

@@ -18,8 +18,9 @@ import torch
 from . import gemm, grad_scale
 from .cpo_math import CPOHyperparams
 from .plan import plan_tokens
+from .rows import PackedRows, PaddedRows
 from .schedule import NeedGrads, Slabs
-from .sequence import Grads, SequenceStats, finish_outputs, unlabelled_hidden_sums, warn_where_trl_gives_nan
+from .sequence import Grads, SequenceStats, warn_where_trl_gives_nan
 
 SLAB_ALIGN = 128  # vocabulary columns per slab: a multiple of the GEMM tile
 
@@ -34,26 +35,30 @@ def slab_forward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    labels: torch.Tensor,
+    rows: PaddedRows | PackedRows,
     hp: CPOHyperparams,
     schedule: Slabs,
     *,
-    ignore_index: int,
     backend: ModuleType,
     need: NeedGrads,
     grad_guess: grad_scale.GradScaleGuess | None = None,
 ):
     """``chunks.chunked_forward``'s contract (same arguments but the schedule, same returns), in slabs."""
-    num_rows, seq_len, hidden_size = hidden.shape
+    num_rows, num_positions, hidden_size = rows.num_rows, rows.num_positions, hidden.shape[-1]
     vocab = weight.shape[0]
     device = hidden.device
     acc_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    unlabelled_hidden = unlabelled_hidden_sums(hidden.detach(), labels, ignore_index)
+    x_all = hidden.reshape(num_positions, hidden_size)
+    unlabelled_hidden = rows.unlabelled_hidden_sums(x_all.detach())
     plan = plan_tokens(
-        labels, ignore_index=ignore_index, vocab_size=vocab, max_tokens=num_rows * seq_len, backend=backend
+        rows.labels,
+        ignore_index=rows.ignore_index,
+        vocab_size=vocab,
+        max_tokens=num_positions,
+        backend=backend,
+        layout=rows.lay_out(vocab, backend),
     )
     n = plan.num_tokens
-    x_all = hidden.reshape(num_rows * seq_len, hidden_size)
     # The labelled tokens, then the 2B unlabelled-sum rows (their logits sum to the unlabelled logits: metrics).
     x = torch.cat([x_all.index_select(0, plan.token_index), unlabelled_hidden])
     slabs = slab_bounds(vocab, x.shape[0], weight.element_size(), schedule.slab_bytes)
@@ -78,7 +83,7 @@ def slab_forward(
             dx = torch.zeros_like(x_all)
             dx.index_copy_(0, plan.token_index, grads.hidden.to(hidden.dtype))
             grads.hidden = dx.view_as(hidden)
-    return finish_outputs(backend, stats, plan, hp, unlabelled_sum, bias, seq_len, vocab), grads, folded
+    return rows.finish(backend, stats, plan, hp, unlabelled_sum, bias, vocab), grads, folded
 
 
 def _log_prob_pass(x, plan, slabs, slab_logits, backend, acc_dtype):
