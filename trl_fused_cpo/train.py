@@ -48,7 +48,7 @@ def main(script_args: CPOScriptArguments, training_args: FusedCPOConfig, model_a
 
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     log_level = training_args.get_process_log_level()
-    logger.setLevel(log_level)
+    logger.setLevel(min(log_level, logging.WARNING))  # the launcher's own warnings, whatever the global verbosity
     transformers.utils.logging.set_verbosity(log_level)
 
     model, tokenizer = load_model_and_tokenizer(script_args, training_args, model_args)
