@@ -22,6 +22,8 @@ def _config(**knobs) -> FusedCPOConfig:
         (dict(fused_memory="tiny"), ValueError, "fused_memory='tiny'"),
         (dict(fused_backend="cuda"), ValueError, "fused_backend='cuda'"),
         (dict(use_fused_loss="yes"), TypeError, "use_fused_loss"),
+        (dict(batch_layout="packed"), ValueError, "batch_layout='packed'"),
+        (dict(batch_layout="prefix_shared", use_fused_loss=False), ValueError, "needs use_fused_loss"),
     ],
 )
 def test_bad_knobs_fail_at_construction(knobs, error, match):
@@ -39,4 +41,5 @@ def test_defaults_live_in_one_place_and_a_plain_cpo_config_gets_them():
         "backend": "auto",
         "chunk_bytes": 1 << 28,
         "memory": "lean",
+        "batch_layout": "padded",
     }

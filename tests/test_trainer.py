@@ -187,3 +187,87 @@ def test_rebuilt_model_is_patched_again(tmp_path):
     trainer.model = toy_model()
     stock = loss_metrics_grads(make_trainer(CPOTrainer, tmp_path))
     assert_same(stock, loss_metrics_grads(trainer))
+
+
+# ------------------------------------------------------------------------------------------- packed layouts
+
+PACKED = ["padding_free", "prefix_shared"]
+NOT_LOGITS = lambda metrics: {k: v for k, v in metrics.items() if "logits/" not in k}  # noqa: E731
+
+
+def assert_same_but_logit_means(stock, packed, grad_rtol=1e-5):
+    """Loss, every metric but logits/* (a packed batch has no padding to average) and every gradient."""
+    torch.testing.assert_close(packed[0], stock[0], rtol=1e-5, atol=1e-6)
+    assert packed[1].keys() == stock[1].keys()
+    for key, value in NOT_LOGITS(stock[1]).items():
+        assert packed[1][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert packed[2].keys() == stock[2].keys()
+    for name, g in stock[2].items():
+        assert_close_norm(packed[2][name], g, name, grad_rtol)
+
+
+@pytest.mark.parametrize("layout", PACKED)
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize(
+    "opts",
+    [dict(), dict(loss_type="hinge"), dict(loss_type="ipo", beta=0.5), dict(loss_type="simpo", cpo_alpha=0.3),
+     dict(loss_type="alphapo"), dict(label_smoothing=0.2)],
+    ids=["sigmoid", "hinge", "ipo", "simpo", "alphapo", "smoothing"],
+)  # fmt: skip
+def test_packed_layouts_match_the_stock_trainer(tmp_path, layout, tie, opts):
+    stock = loss_metrics_grads(make_trainer(CPOTrainer, tmp_path, tie=tie, **opts))
+    trainer = make_trainer(FusedCPOTrainer, tmp_path, tie=tie, config_cls=FusedCPOConfig, batch_layout=layout, **opts)
+    shapes = []
+    trainer.model.get_input_embeddings().register_forward_hook(lambda m, args, out: shapes.append(tuple(args[0].shape)))
+    assert_same_but_logit_means(stock, loss_metrics_grads(trainer))
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    padded = 2 * max(batch["chosen_input_ids"].shape[1], batch["rejected_input_ids"].shape[1])
+    real = int(batch["chosen_attention_mask"].sum() + batch["rejected_attention_mask"].sum())
+    assert len(shapes) == 1 and shapes[0][0] == 1  # one packed row
+    assert shapes[0][1] == real if layout == "padding_free" else shapes[0][1] < real  # prompts once
+    assert shapes[0][1] < 4 * padded
+
+
+@pytest.mark.parametrize("layout", PACKED)
+def test_packed_layouts_with_lora_and_gradient_accumulation(tmp_path, layout):
+    from peft import LoraConfig
+
+    def accumulated(cls, **kw):
+        torch.manual_seed(0)
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False)
+        trainer = make_trainer(
+            cls, tmp_path, peft_config=lora, per_device_train_batch_size=2, gradient_accumulation_steps=2, **kw
+        )
+        for rows in (range(0, 2), range(2, 4)):
+            batch = trainer._prepare_inputs(trainer.data_collator([trainer.train_dataset[i] for i in rows]))
+            trainer.compute_loss(trainer.model, batch).div(2).backward()
+        return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+    stock = accumulated(CPOTrainer)
+    packed = accumulated(FusedCPOTrainer, config_cls=FusedCPOConfig, batch_layout=layout)
+    assert stock and stock.keys() == packed.keys() and all("lora_" in n for n in packed)
+    for name, g in stock.items():
+        assert_close_norm(packed[name], g, name)
+
+
+@pytest.mark.parametrize("layout", PACKED)
+def test_packed_layouts_train_and_evaluate_like_stock(tmp_path, layout):
+    logs = {}
+    for cls, extra in ((CPOTrainer, {}), (FusedCPOTrainer, dict(config_cls=FusedCPOConfig, batch_layout=layout))):
+        trainer = make_trainer(cls, tmp_path, max_steps=2, logging_steps=1, learning_rate=1e-3, seed=0, **extra)
+        trainer.train()
+        logs[cls] = (trainer.state.log_history, trainer.evaluate())
+    (stock_hist, stock_eval), (packed_hist, packed_eval) = logs[CPOTrainer], logs[FusedCPOTrainer]
+    assert packed_eval.keys() == stock_eval.keys()
+    for key, value in NOT_LOGITS(stock_eval).items():
+        if "runtime" in key or "per_second" in key:
+            continue
+        assert packed_eval[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+    stock_losses = [h["loss"] for h in stock_hist if "loss" in h]
+    assert [h["loss"] for h in packed_hist if "loss" in h] == pytest.approx(stock_losses, rel=1e-4)
+
+
+def test_packed_layouts_are_refused_without_the_fused_loss(tmp_path):
+    with pytest.raises(ValueError, match="needs use_fused_loss"):
+        make_trainer(FusedCPOTrainer, tmp_path, config_cls=FusedCPOConfig, batch_layout="prefix_shared",
+                     use_fused_loss=False)  # fmt: skip

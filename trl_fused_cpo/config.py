@@ -16,6 +16,7 @@ from .ops.schedule import (
 )
 
 BACKENDS = ("auto", "triton", "torch")
+BATCH_LAYOUTS = ("padded", "padding_free", "prefix_shared")
 
 
 def _mib(n: int) -> str:
@@ -56,11 +57,31 @@ class FusedCPOConfig(CPOConfig):
         },
     )
 
+    batch_layout: str = field(
+        default="padded",
+        metadata={
+            "help": "How a micro-batch reaches the backbone: 'padded' (TRL's layout: chosen and rejected padded to "
+            "one length, every prompt twice), 'padding_free' (every sequence once, packed in one row, no padding) "
+            "or 'prefix_shared' (each pair once: [prompt | chosen | rejected], rejected attending to the prompt "
+            "but never to chosen). Same loss, log-probs, rewards and gradients in all three; in a packed layout "
+            "logits/chosen and logits/rejected are the mean over the positions the sequences have, where TRL's "
+            "padded mean also averages the padding. Packed layouts need attn_implementation 'flex_attention' "
+            "(GPU) or 'sdpa'/'eager' (a dense mask: CPU and tests).",
+            "choices": list(BATCH_LAYOUTS),
+        },
+    )
+
     def __post_init__(self):
         if not isinstance(self.use_fused_loss, bool):
             raise TypeError(f"use_fused_loss must be true or false; got {self.use_fused_loss!r}.")
         if self.fused_backend not in BACKENDS:
             raise ValueError(f"fused_backend={self.fused_backend!r} is not one of {list(BACKENDS)}.")
+        if self.batch_layout not in BATCH_LAYOUTS:
+            raise ValueError(f"batch_layout={self.batch_layout!r} is not one of {list(BATCH_LAYOUTS)}.")
+        if self.batch_layout != "padded" and not self.use_fused_loss:
+            raise ValueError(
+                f"batch_layout={self.batch_layout!r} needs use_fused_loss=True: TRL's stock loss reads a padded batch."
+            )
         try:
             check_budget(self.fused_chunk_bytes, self.fused_memory)
         except (TypeError, ValueError) as err:  # name the config's fields, not the functional's arguments
@@ -81,4 +102,5 @@ def fused_options(args) -> dict:
         "backend": value["fused_backend"],
         "chunk_bytes": value["fused_chunk_bytes"],
         "memory": value["fused_memory"],
+        "batch_layout": value["batch_layout"],
     }

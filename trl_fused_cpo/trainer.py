@@ -17,10 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 from trl.experimental.cpo import CPOTrainer
 
+from .attention import packed_attention_mask, packing_unsupported_reason
+from .collator import PACKED_KEY, PackingCollator, shared_pair
 from .config import fused_options
 from .distributed import call_through_head, install_fused_forward
-from .loss import fused_linear_cpo_loss
+from .loss import CPOLossOutput, fused_linear_cpo_loss, fused_linear_cpo_loss_packed
 from .ops.grad_scale import GradScaleGuess
+from .packing import PackedBatch, pack_pairs
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +90,16 @@ class FusedHead:
     # torch_compile: Dynamo compiles the backbone and stops here (one graph break). Traced, the op broke into 29
     # graphs on the toy model, 3 min of CPU compile for 3 steps (host syncs, torch.autograd.grad, generators).
     @torch.compiler.disable
-    def __call__(self, hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor):
+    def __call__(self, hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor | PackedBatch):
+        """``labels``: ``[2B, T]`` shifted labels of TRL's padded batch, or the ``PackedBatch`` of a packed one."""
+
         def loss(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
+            if isinstance(labels, PackedBatch):
+                return fused_linear_cpo_loss_packed(
+                    h[0], w, labels.labels, labels.sequence, row_lengths=labels.row_lengths,
+                    shared_pair=shared_pair(labels), bias=b, grad_scale_guess=self.grad_scale_guess,
+                    **self.loss_kwargs,
+                )  # fmt: skip
             return fused_linear_cpo_loss(
                 h, w, labels, bias=b, grad_scale_guess=self.grad_scale_guess, **self.loss_kwargs
             )
@@ -105,6 +116,7 @@ class FusedCPOTrainer(CPOTrainer):
         super().__init__(*args, **kwargs)
         options = fused_options(self.args)
         self.use_fused_loss = options["use_fused_loss"]
+        self.batch_layout = options["batch_layout"]
         self._fused_head = FusedHead(
             dict(
                 beta=self.beta,
@@ -119,19 +131,38 @@ class FusedCPOTrainer(CPOTrainer):
             )
         )
         if not self.use_fused_loss:
+            self._refuse_packing_without_the_fused_loss("use_fused_loss=False")
             logger.info("FusedCPOTrainer: use_fused_loss=False, running TRL's stock CPO loss.")
             return
         if self.is_encoder_decoder or self.aux_loss_enabled:
             why = "an encoder-decoder model" if self.is_encoder_decoder else "router aux loss (MoE)"
+            self._refuse_packing_without_the_fused_loss(why)
             logger.warning(f"FusedCPOTrainer: {why} is not fused; falling back to TRL's stock CPO loss.")
             self.use_fused_loss = False
             return
-        reason = unsupported_reason(self.model)
+        reason = unsupported_reason(self.model) or packing_unsupported_reason(
+            self.model, self.batch_layout, max_length=self.max_length
+        )
         if reason is not None:
             raise ValueError(reason)
         self._ensure_fused_forward(self.model)
+        if self.batch_layout != "padded":
+            self.data_collator = PackingCollator(
+                self.data_collator, self.batch_layout, self.pad_token_id, self._attn_implementation()
+            )
         if self.args.use_liger_kernel:
             self._liger_backbone_only()
+
+    def _refuse_packing_without_the_fused_loss(self, why: str) -> None:
+        if self.batch_layout != "padded":
+            raise ValueError(
+                f"batch_layout={self.batch_layout!r} needs the fused loss, which {why} turns off: TRL's stock loss "
+                "reads a padded batch. Set batch_layout: padded."
+            )
+
+    def _attn_implementation(self) -> str:
+        lm = _causal_lm(self.accelerator.unwrap_model(self.model, keep_torch_compile=False))
+        return getattr(lm.config, "_attn_implementation", None) or "eager"
 
     def _liger_backbone_only(self) -> None:
         """``use_liger_kernel``: Liger's backbone kernels (RMSNorm, SwiGLU, RoPE) under the fused CPO head.
@@ -167,18 +198,8 @@ class FusedCPOTrainer(CPOTrainer):
         if not self.use_fused_loss:
             return super().get_batch_loss_metrics(model, batch, train_eval)
         self._ensure_fused_forward(model)
-        concatenated = self.concatenated_inputs(
-            batch, is_encoder_decoder=False, padding_value=self.pad_token_id, device=self.accelerator.device
-        )
-        labels = concatenated["concatenated_labels"]
-        # Position t predicts token t+1 (TRL shifts logits[:, :-1] against labels[:, 1:]); the last position keeps
-        # no label but still counts in TRL's logits/* means, so hidden stays [2B, T] and the labels get a pad.
-        shifted_labels = F.pad(labels[:, 1:], (0, 1), value=-100)
-        out = model(
-            concatenated["concatenated_input_ids"],
-            attention_mask=concatenated["concatenated_attention_mask"],
-            use_cache=False,
-            fused_cpo_labels=shifted_labels,
+        out = (
+            self._packed_forward(model, batch) if self.batch_layout != "padded" else self._padded_forward(model, batch)
         )
         gather = self.accelerator.gather_for_metrics
         accuracies = (out.chosen_rewards > out.rejected_rewards).float()
@@ -195,3 +216,36 @@ class FusedCPOTrainer(CPOTrainer):
             f"{prefix}nll_loss": gather(out.nll_loss).mean().item(),
         }
         return out.loss, metrics
+
+    def _padded_forward(self, model, batch) -> CPOLossOutput:
+        """TRL's layout: ``[chosen; rejected]`` padded to one length, the fused head on its ``[2B, T]`` positions."""
+        concatenated = self.concatenated_inputs(
+            batch, is_encoder_decoder=False, padding_value=self.pad_token_id, device=self.accelerator.device
+        )
+        labels = concatenated["concatenated_labels"]
+        # Position t predicts token t+1 (TRL shifts logits[:, :-1] against labels[:, 1:]); the last position keeps
+        # no label but still counts in TRL's logits/* means, so hidden stays [2B, T] and the labels get a pad.
+        shifted_labels = F.pad(labels[:, 1:], (0, 1), value=-100)
+        return model(
+            concatenated["concatenated_input_ids"],
+            attention_mask=concatenated["concatenated_attention_mask"],
+            use_cache=False,
+            fused_cpo_labels=shifted_labels,
+        )
+
+    def _packed_forward(self, model, batch) -> CPOLossOutput:
+        """A packed layout (``packing.py``): one row, no padding (and each prompt once with ``prefix_shared``), the
+        attention kept inside each pair (and rejected off chosen) by the mask ``attention.py`` builds."""
+        packed = batch.get(PACKED_KEY)
+        if packed is None:  # a batch that did not come through the trainer's collator
+            packed = pack_pairs(batch, self.batch_layout, pad_token_id=self.pad_token_id)
+        packed = packed.to(self.accelerator.device)
+        embeddings = _causal_lm(self.accelerator.unwrap_model(model, keep_torch_compile=False)).get_input_embeddings()
+        mask = packed_attention_mask(packed, dtype=embeddings.weight.dtype, implementation=self._attn_implementation())
+        return model(
+            packed.input_ids,
+            position_ids=packed.position_ids,
+            attention_mask=mask,
+            use_cache=False,
+            fused_cpo_labels=packed,
+        )

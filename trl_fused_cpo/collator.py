@@ -1,0 +1,47 @@
+"""The trainer's collator for packed layouts: TRL's padded batch plus its ``PackedBatch``, built on the host.
+
+Packing in the collator keeps the bookkeeping (which tokens are real, where each pair's prompt ends) on the CPU,
+in the data loader, before the batch moves to the device: no host sync in the training step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .attention import FLEX_BLOCK_SIZE
+from .packing import SHARED, PackedBatch, pack_pairs
+
+PACKED_KEY = "fused_cpo_packed"  # the batch key of the PackedBatch
+
+
+class PackingCollator:
+    """``collate(features)`` plus ``batch[PACKED_KEY] = pack_pairs(batch, layout)``.
+
+    Args:
+        collate: TRL's collator (``DPODataCollatorWithPadding``), whose padded batch is kept as it is.
+        layout: ``"padding_free"`` or ``"prefix_shared"``.
+        pad_token_id: the token of the tail padding flex_attention gets.
+        attn_implementation: the model's; flex_attention gets the row padded to its block size (shapes torch.compile
+            sees stay few).
+    """
+
+    def __init__(self, collate: Callable, layout: str, pad_token_id: int, attn_implementation: str):
+        self.collate, self.layout, self.pad_token_id = collate, layout, pad_token_id
+        self.pad_to_multiple_of = FLEX_BLOCK_SIZE if attn_implementation == "flex_attention" else None
+
+    def __call__(self, features: list[dict]) -> dict:
+        batch = self.collate(features)
+        batch[PACKED_KEY] = pack_pairs(
+            batch, self.layout, pad_token_id=self.pad_token_id, pad_to_multiple_of=self.pad_to_multiple_of
+        )
+        return batch
+
+
+def shared_pair(packed: PackedBatch) -> torch.Tensor:
+    """``[N]``: the pair whose prompt position ``t`` is, where both sequences of that pair share it; -1 elsewhere."""
+    if packed.layout != "prefix_shared":
+        return torch.full_like(packed.group, -1)
+    shared = (packed.branch == SHARED) & (packed.group < packed.num_pairs)  # tail padding has a group of its own
+    return torch.where(shared, packed.group, -1)
