@@ -7,7 +7,7 @@ LATEST_PY := $(LATEST_VENV)/bin/python
 # Installed first, newest release each, by themselves; the package's install must keep every one of them.
 LATEST_PKGS := torch triton transformers accelerate peft datasets numpy
 
-.PHONY: demo test test-latest lint format gpu-wheels clean
+.PHONY: demo test test-latest lint format clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -32,8 +32,8 @@ $(LATEST_VENV)/.installed: pyproject.toml
 	$(LATEST_PY) .ci/check_no_downgrade.py $(LATEST_VENV)/freeze-before.txt $(LATEST_VENV)/freeze-after.txt $(LATEST_PKGS)
 	touch $@
 
-demo: $(VENV)/.installed  ## train the toy Llama-3 on the shipped preference data (CPU, ~1-2 min)
-	$(PY) scripts/train_cpo.py --config recipes/dev/tiny_cpo.yaml
+demo: $(VENV)/.installed  ## train the toy Llama-3 on the shipped preference data (CPU, ~15 s)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) scripts/train_cpo.py --config recipes/dev/tiny_cpo.yaml
 
 test: $(VENV)/.installed  ## CPU test suite (Triton kernels through the interpreter)
 	$(PY) -m pytest -q
