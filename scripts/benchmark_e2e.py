@@ -12,6 +12,17 @@ the loss of every step, then writes ``results.json`` and the plots into ``--out`
     python scripts/benchmark_e2e.py --model llama3.2-1b --find-max-batch     # largest micro-batch per trainer
     python scripts/benchmark_e2e.py --model llama3.2-1b --curve-steps 20     # + a 20-step loss-curve comparison
     python scripts/benchmark_e2e.py --model toy --micro-batches 2 --steps 2  # CPU smoke test (CI)
+    python scripts/benchmark_e2e.py --model llama3.2-1b --micro-batches 8 --warmup 3 \
+        --variants stock,fused,fused+liger,fused+compile,fused+liger+compile   # what the kernels buy
+
+Variants: ``stock`` (TRL's CPOTrainer) or ``fused`` (FusedCPOTrainer), each optionally with ``+liger``
+(``use_liger_kernel=True``: Liger's RMSNorm, SwiGLU and RoPE kernels on the backbone), ``+compile``
+(``torch_compile=True``: Accelerate's ``torch.compile(model)``; FusedCPOTrainer's head stays eager behind one graph
+break) or ``+compile-regional`` (the same with ``ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION=1``: each decoder layer
+compiled once and reused, a shorter cold start). Compilation happens in the warm-up steps (the first compiles, the
+second recompiles for a new sequence length): give compiled variants ``--warmup 3``; ``warmup_s`` in results.json
+is what the warm-up cost. Each run restores what Liger patches in ``modeling_llama`` and resets Dynamo, so a variant
+never leaks into the next; results.json is rewritten after every run, so a call cut off keeps what finished.
 
 Data (``bench_common.py``, shared with ``make_random_checkpoint.py``). ``CPOTrainer.__init__`` always runs ``tokenize_row`` over the text columns (there is no pre-tokenized input
 path), so the text is made to tokenize to known ids: an in-process ``tokenizers`` WordLevel tokenizer over the 128,256
@@ -45,7 +56,18 @@ import bench_common as bc
 import torch
 from bench_common import GIB, MODELS, build_model, free_memory, is_oom, rows_for, tokenizer_for
 
-TRAINERS = ("stock", "fused")
+TRAINERS = ("stock", "fused")  # the trainers; a variant is one of them plus options, e.g. "fused+liger+compile"
+OPTIONS = ("liger", "compile", "compile-regional")
+
+
+def parse_variant(variant: str) -> tuple[str, frozenset[str]]:
+    """``"fused+liger+compile"`` -> ``("fused", {"liger", "compile"})``; ValueError for anything else."""
+    base, *options = variant.split("+")
+    if base not in TRAINERS or not set(options) <= set(OPTIONS) or len(set(options)) < len(options):
+        raise ValueError(f"variant {variant!r}: one of {TRAINERS}, then any of {['+' + o for o in OPTIONS]}")
+    if {"compile", "compile-regional"} <= set(options):
+        raise ValueError(f"variant {variant!r}: +compile or +compile-regional, not both")
+    return base, frozenset(options)
 
 
 # ----------------------------------------------------------------------------------------------------------- data
@@ -121,6 +143,7 @@ def make_step_timer(device: torch.device):
 
 
 def trainer_class(kind: str):
+    kind, _ = parse_variant(kind)
     if kind == "stock":
         from trl.experimental.cpo import CPOTrainer
 
@@ -132,7 +155,16 @@ def trainer_class(kind: str):
     raise ValueError(f"trainer {kind!r} is not one of {TRAINERS}")
 
 
-def make_config(output_dir: str, *, micro_batch: int, max_steps: int, args, device: torch.device, max_length: int):
+def make_config(
+    output_dir: str,
+    *,
+    micro_batch: int,
+    max_steps: int,
+    args,
+    device: torch.device,
+    max_length: int,
+    options: frozenset[str] = frozenset(),
+):
     from trl.experimental.cpo import CPOConfig
 
     return CPOConfig(
@@ -150,6 +182,8 @@ def make_config(output_dir: str, *, micro_batch: int, max_steps: int, args, devi
         remove_unused_columns=False,  # what CPOTrainer sets itself with its default collator
         disable_tqdm=True,
         use_cpu=not _cuda(device),
+        use_liger_kernel="liger" in options,
+        torch_compile=bool({"compile", "compile-regional"} & options),
         # everything else: TRL's defaults (gradient_checkpointing=True, bf16=True, beta=0.1, cpo_alpha=1.0, sigmoid)
     )
 
@@ -171,10 +205,12 @@ def run_one(
 
     free_memory(device)
     cuda = _cuda(device)
+    base, options = parse_variant(kind)
     rec: dict = {
         "tag": tag,
         "model": model_name,
         "trainer": kind,
+        "options": sorted(options),
         "micro_batch": micro_batch,
         "max_steps": max_steps,
         "warmup_steps": warmup,
@@ -195,7 +231,7 @@ def run_one(
     timer = make_step_timer(device)
     trainer = model = None
     t_start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="bench_e2e_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench_e2e_") as tmp, variant_scope(options):
         try:
             model = build_model(model_name, device, args.seed)
             t_model = time.perf_counter()
@@ -206,6 +242,7 @@ def run_one(
                 args=args,
                 device=device,
                 max_length=MODELS[model_name].get("max_length", args.max_length),
+                options=options,
             )
             trainer = trainer_class(kind)(
                 model=model,
@@ -218,8 +255,10 @@ def run_one(
             )
             for cb in (PrinterCallback, ProgressCallback):
                 trainer.remove_callback(cb)
-            if kind == "fused":
+            if base == "fused":
                 rec["fused_active"] = bool(getattr(trainer, "use_fused_loss", False))
+            if "liger" in options:
+                rec["liger_kernel_config"] = trainer.args.liger_kernel_config
             t_init = time.perf_counter()
             trainer.train()
             t_train = time.perf_counter()
@@ -231,6 +270,8 @@ def run_one(
             rec["losses"] = [float(h["loss"]) for h in step_logs]
             rec["nll_losses"] = [float(h["nll_loss"]) for h in step_logs if "nll_loss" in h]
             rec["reward_accuracies"] = [float(h["rewards/accuracies"]) for h in step_logs if "rewards/accuracies" in h]
+            if options & {"compile", "compile-regional"}:
+                rec["compiled"] = type(trainer.model_wrapped).__name__
             rec["ok"] = True
         except Exception as exc:  # OOM is a result (find-max-batch); anything else is reported and fails the run
             rec["oom"] = is_oom(exc)
@@ -255,12 +296,48 @@ def run_one(
     return rec
 
 
+def variant_scope(options: frozenset[str]):
+    """Liger's patch and Dynamo's caches outlive a run: put ``modeling_llama`` back (Liger replaces its RoPE function
+    and RMSNorm / MLP classes for every model built after) and reset Dynamo. ``+compile-regional`` sets Accelerate's
+    switch for the run (read when the trainer builds its Accelerator)."""
+    import contextlib
+    import os
+
+    @contextlib.contextmanager
+    def scope():
+        from transformers.models.llama import modeling_llama
+
+        saved = dict(vars(modeling_llama))
+        env = "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"
+        previous = os.environ.get(env)
+        if "compile-regional" in options:
+            os.environ[env] = "1"
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if vars(modeling_llama).get(name) is not value:
+                    setattr(modeling_llama, name, value)
+            if "compile-regional" in options:
+                if previous is None:
+                    os.environ.pop(env, None)
+                else:
+                    os.environ[env] = previous
+            if options & {"compile", "compile-regional"}:
+                torch._dynamo.reset()
+
+    return scope()
+
+
 def summarize(rec: dict) -> None:
     """Median step time and tokens/s over the timed steps (those after the warm-up)."""
     times, batches = rec["step_times_s"], rec["batches"]
     timed = list(range(min(rec["warmup_steps"], max(len(times) - 1, 0)), len(times)))
+    if times:  # compiled variants compile here: the warm-up's cost, and the slowest timed step (a late recompile)
+        rec["warmup_s"] = sum(times[: timed[0] if timed else len(times)])
     if not rec["ok"] or not timed:
         return
+    rec["max_step_s"] = max(times[i] for i in timed)
     total_t = sum(times[i] for i in timed)
     rec["timed_steps"] = len(timed)
     rec["step_s"] = statistics.median(times[i] for i in timed)
@@ -320,17 +397,25 @@ def find_max_batch(model_name: str, kind: str, args, device: torch.device) -> di
 
 
 def compare(runs: list[dict]) -> list[dict]:
-    """fused vs stock at each (model, micro-batch): speed and memory ratios, loss agreement, identical batches."""
+    """Every variant vs stock at each (model, micro-batch): speed and memory ratios, loss agreement, identical batches
+    (``fused`` first: its rows keep their place and keys); variants of the fused trainer also vs plain fused."""
     out = []
     by_key = {(r["model"], r["micro_batch"], r["trainer"]): r for r in runs}
-    for (model, mb, kind), fused in by_key.items():
+    order = sorted(by_key.items(), key=lambda item: item[0][2] != "fused")
+    for (model, mb, kind), fused in order:
         stock = by_key.get((model, mb, "stock"))
-        if kind != "fused" or stock is None or not (stock["ok"] and fused["ok"]):
+        if kind == "stock" or stock is None or not (stock["ok"] and fused["ok"]):
             continue
-        row = {"model": model, "micro_batch": mb}
+        row = {"model": model, "micro_batch": mb, "trainer": kind}
         if stock.get("labelled_tok_s") and fused.get("labelled_tok_s"):
             row["speedup"] = fused["labelled_tok_s"] / stock["labelled_tok_s"]
             row["step_time_ratio"] = fused["step_s"] / stock["step_s"]
+        plain = by_key.get((model, mb, "fused"))
+        if kind != "fused" and kind.startswith("fused") and plain and plain.get("labelled_tok_s"):
+            if fused.get("labelled_tok_s"):
+                row["speedup_vs_fused"] = fused["labelled_tok_s"] / plain["labelled_tok_s"]
+            if fused.get("peak_gib") and plain.get("peak_gib"):
+                row["memory_ratio_vs_fused"] = fused["peak_gib"] / plain["peak_gib"]
         if stock.get("peak_gib") and fused.get("peak_gib"):
             row["memory_ratio"] = fused["peak_gib"] / stock["peak_gib"]
             row["memory_saved_gib"] = stock["peak_gib"] - fused["peak_gib"]
@@ -351,7 +436,7 @@ def _fmt(x, spec: str, missing: str = "-") -> str:
 
 
 def print_table(runs: list[dict], comparisons: list[dict], max_batch: dict) -> None:
-    cmp = {(c["model"], c["micro_batch"]): c for c in comparisons}
+    cmp = {(c["model"], c["micro_batch"], c.get("trainer", "fused")): c for c in comparisons}
     header = [
         "trainer",
         "model",
@@ -361,7 +446,7 @@ def print_table(runs: list[dict], comparisons: list[dict], max_batch: dict) -> N
         "all tok/s",
         "padded tok/s",
         "peak GiB",
-        "fused/stock",
+        "vs stock",
     ]
     lines = []
     for r in runs:
@@ -375,16 +460,21 @@ def print_table(runs: list[dict], comparisons: list[dict], max_batch: dict) -> N
         else:
             cells = ["OOM" if r["oom"] else "error", "", "", ""]
         ratio = ""
-        c = cmp.get((r["model"], r["micro_batch"]))
-        if r["trainer"] == "fused" and c is not None:
+        c = cmp.get((r["model"], r["micro_batch"], r["trainer"]))
+        if c is not None:
             parts = []
             if "speedup" in c:
                 parts.append(f"{c['speedup']:.2f}x tok/s")
             if "memory_ratio" in c:
                 parts.append(f"{c['memory_ratio']:.2f}x mem")
+            if "speedup_vs_fused" in c:
+                parts.append(f"{c['speedup_vs_fused']:.2f}x fused's tok/s")
             ratio = ", ".join(parts)
         mb = str(r["micro_batch"]) + (" (max)" if r["tag"] == "max" else "")
         lines.append([r["trainer"], r["model"], mb, *cells, _fmt(r.get("peak_gib"), ".1f"), ratio])
+        if r["ok"] and r.get("options"):
+            ratio = lines[-1][-1]
+            lines[-1][-1] = (ratio + ", " if ratio else "") + f"warm-up {_fmt(r.get('warmup_s'), '.0f')} s"
     widths = [max(len(str(x)) for x in col) for col in zip(header, *lines, strict=False)]
     fmt_row = lambda row: "  ".join(
         str(x).rjust(w) if i >= 2 else str(x).ljust(w) for i, (x, w) in enumerate(zip(row, widths, strict=False))
@@ -397,8 +487,9 @@ def print_table(runs: list[dict], comparisons: list[dict], max_batch: dict) -> N
     print()
     for c in comparisons:
         diff = c.get("max_abs_loss_diff")
+        kind = c.get("trainer", "fused")
         print(
-            f"{c['model']} micro-batch {c['micro_batch']}: max |loss_fused - loss_stock| over steps = "
+            f"{c['model']} micro-batch {c['micro_batch']}: max |loss_{kind} - loss_stock| over steps = "
             f"{_fmt(diff, '.3g')} (rel {_fmt(c.get('max_rel_loss_diff'), '.2e')}); same batches: {c['same_batches']}"
         )
     for model, per_trainer in max_batch.items():
@@ -423,7 +514,8 @@ def write_plots(results: dict, out: Path) -> list[str]:
     written = []
     runs = [r for r in results["runs"] if r["ok"]]
     models = list(results["args"]["models"])
-    colors = {"stock": "tab:blue", "fused": "tab:orange"}
+    kinds = list(results["args"]["trainer_list"])
+    colors = {kind: plt.cm.tab10(i) for i, kind in enumerate(kinds)}
 
     # loss curves: the --curve-steps runs when present, else the benchmark runs, per micro-batch (none: no plot)
     has_losses = any(r["ok"] for r in results.get("curves", [])) or any(r["tag"] == "bench" for r in runs)
@@ -462,14 +554,14 @@ def write_plots(results: dict, out: Path) -> list[str]:
             if mx:
                 label = "max\n" + ", ".join(f"{k[0]}={v['micro_batch']}" for k, v in mx.items())
                 groups.append((label, mx))
-            width = 0.38
+            width = 0.76 / max(len(kinds), 1)
             for i, (_label, by_kind) in enumerate(groups):
-                for k, kind in enumerate(TRAINERS):
+                for k, kind in enumerate(kinds):
                     r = by_kind.get(kind)
                     if r is None or r.get(metric) is None:
                         continue
                     any_data = True
-                    x = i + (k - 0.5) * width
+                    x = i + (k - (len(kinds) - 1) / 2) * width
                     ax.bar(x, r[metric], width, color=colors[kind], label=kind if i == 0 else None)
                     ax.text(
                         x,
@@ -509,7 +601,13 @@ def parse_args(argv):
     )
     p.add_argument("--model", default="llama3.2-1b", help=f"comma list of: {', '.join(MODELS)}")
     p.add_argument("--micro-batches", default="2,4,8", help="comma list of per-device micro-batches (pairs)")
-    p.add_argument("--trainers", default="stock,fused", help="comma list of: stock, fused")
+    p.add_argument(
+        "--trainers",
+        "--variants",
+        dest="trainers",
+        default="stock,fused",
+        help="comma list of stock, fused, each optionally +liger, +compile or +compile-regional (fused+liger+compile)",
+    )
     p.add_argument("--steps", type=int, default=6, help="timed steps per run (after --warmup)")
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps per run")
     p.add_argument("--lr", type=float, default=1e-6)
@@ -530,6 +628,7 @@ def parse_args(argv):
     )
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
     p.add_argument("--out", default="outputs/bench_e2e")
+    p.add_argument("--no-plots", dest="plots", action="store_false", help="results.json only (fewer files to carry)")
     args = p.parse_args(argv)
     args.models = [m.strip() for m in args.model.split(",") if m.strip()]
     args.micro_batch_list = [int(x) for x in args.micro_batches.split(",") if x.strip()]
@@ -538,8 +637,10 @@ def parse_args(argv):
         if m not in MODELS:
             p.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
     for t in args.trainer_list:
-        if t not in TRAINERS:
-            p.error(f"unknown trainer {t!r}; choose from {', '.join(TRAINERS)}")
+        try:
+            parse_variant(t)
+        except ValueError as err:
+            p.error(str(err))
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
     return args
@@ -619,6 +720,7 @@ def main(argv=None) -> int:
                 print(f"{model} {kind} micro-batch {mb}: {status}{peak} (run {rec['wall_s']:.0f} s)", flush=True)
                 if rec.get("traceback"):
                     print(rec["traceback"], file=sys.stderr)
+                bc.write_json(out / "results.json", results)  # a call cut off by its limit keeps what finished
 
         if args.curve_steps > 0:
             cmb = args.curve_micro_batch or (args.micro_batch_list or [2])[0]
@@ -662,7 +764,7 @@ def main(argv=None) -> int:
     results["total_wall_s"] = time.perf_counter() - t0
     print_table(results["runs"], results["comparisons"], results["max_batch"])
     bc.write_json(out / "results.json", results)
-    plots = write_plots(results, out)
+    plots = write_plots(results, out) if args.plots else []
     print(
         f"wrote {out / 'results.json'}"
         + (f" and {', '.join(plots)}" if plots else "")

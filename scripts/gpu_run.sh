@@ -13,7 +13,10 @@
 #          fixed-cost-bound entries nearest 1.10×), kernel-ab (A/B/A: fused-only long runs of this tree, of each
 #          version staged under ab/, then of this tree again), e2e (scripts/benchmark_e2e.py, 1B/3B/8B + 20-step
 #          loss curves), recipe (the 1B recipe through accelerate launch), maxbatch / maxbatch-8b (largest
-#          micro-batch per trainer, 1B / 8B LoRA); default: tests profile
+#          micro-batch per trainer, 1B / 8B LoRA), e2e-kernels (Liger's backbone kernels and torch.compile end to
+#          end: 1B full and 8B LoRA at 8 pairs, stock / fused / fused+liger / fused+compile / fused+liger+compile,
+#          ≈ 5 min), e2e-kernels-regional (the compiled variants with regional compilation, ≈ 2-3 min);
+#          default: tests profile
 # A/B against earlier commits, in one device call. Stage the "before" versions on THIS machine (it has the history),
 # then carry "ab" (ignored by git) with the call:
 #   bash scripts/gpu_run.sh stage-ab REV [REV...]      # ab/<short rev>/trl_fused_cpo, via git archive; no wheels
@@ -99,6 +102,16 @@ for what in "${steps[@]}"; do
         --dataset_name /tmp/llama3.2-1b/preferences.jsonl --max_steps 5 --logging_steps 1 --eval_strategy no \
         --save_strategy no --output_dir /tmp/run1b 2>&1 | grep -vE "Map|Generating|it/s]|s/it]" | tail -25 \
         | tee -a "$OUT/recipe_1b.txt" ;;
+    e2e-kernels | e2e-kernels-regional)  # one process per model, cheap variants first; results.json is rewritten after
+      # each run, so a model cut off by its limit keeps what finished, and a failing variant is recorded, not fatal
+      variants=stock,fused,fused+liger,fused+compile,fused+liger+compile
+      [ "$what" = e2e-kernels-regional ] && variants=fused,fused+compile-regional,fused+liger+compile-regional
+      for spec in "llama3.2-1b 140" "llama3-8b 170"; do
+        read -r model limit <<<"$spec"
+        timeout "$limit" python3 scripts/benchmark_e2e.py --model "$model" --micro-batches 8 --steps 4 --warmup 3 \
+          --variants "$variants" --no-process-warmup --no-plots --out "$OUT/${what//-/_}_$model" 2>&1 \
+          | grep -vE "it/s]|s/it]" | tail -14 | tee -a "$OUT/${what//-/_}.txt"
+      done ;;
     maxbatch) timeout 560 python3 scripts/benchmark_e2e.py --model llama3.2-1b --micro-batches "" --find-max-batch \
                 --max-batch-start 8 --max-batch-cap 192 --max-batch-tol 0.25 --out "$OUT/e2e_max" 2>&1 | tail -20 ;;
     maxbatch-8b) timeout 560 python3 scripts/benchmark_e2e.py --model llama3-8b --micro-batches "" --find-max-batch \

@@ -44,6 +44,34 @@ def test_benchmark_e2e_toy(tmp_path):
 
 
 @pytest.mark.slow
+def test_benchmark_e2e_variants_toy(tmp_path):
+    """Liger and compile variants (gpu_run.sh e2e-kernels): compiled runs compile and train like stock; a variant that
+    fails (Liger's kernels need CUDA) is recorded and the others still run; --no-plots writes results.json alone."""
+    import torch
+
+    variants = "stock,fused+liger,fused+compile,fused"
+    argv = ["--model", "toy", "--micro-batches", "2", "--steps", "1", "--warmup", "2", "--variants", variants]
+    code = load_script("benchmark_e2e").main([*argv, "--no-process-warmup", "--no-plots", "--out", str(tmp_path)])
+    results = json.loads((tmp_path / "results.json").read_text())
+    runs = {r["trainer"]: r for r in results["runs"]}
+    assert list(runs) == variants.split(",") and [p.name for p in tmp_path.iterdir()] == ["results.json"]
+    assert runs["fused+compile"]["ok"] and runs["fused+compile"]["compiled"] == "OptimizedModule"
+    assert runs["fused+compile"]["options"] == ["compile"] and runs["fused+compile"]["warmup_s"] > 0
+    rows = {c["trainer"]: c for c in results["comparisons"]}
+    assert rows["fused+compile"]["same_batches"] and rows["fused+compile"]["max_rel_loss_diff"] < 1e-3
+    assert "speedup_vs_fused" in rows["fused+compile"] and results["comparisons"][0]["trainer"] == "fused"
+    if not torch.cuda.is_available():
+        assert code == 1 and not runs["fused+liger"]["ok"] and runs["fused+liger"]["error"]
+
+
+def test_benchmark_e2e_refuses_unknown_variants():
+    main = load_script("benchmark_e2e").main
+    for bad in ("fused+turbo", "liger", "fused+compile+compile-regional", "fused+liger+liger"):
+        with pytest.raises(SystemExit):
+            main(["--model", "toy", "--variants", bad])
+
+
+@pytest.mark.slow
 def test_profile_fused_op_quick(tmp_path):
     """Stage timings and the whole op at toy shapes; on CPU the Triton kernels run through the interpreter."""
     out = tmp_path / "profile.json"
@@ -87,6 +115,6 @@ def test_gpu_run_steps_run_only_scripts_that_exist():
     header = script.split("set -uo pipefail")[0]
     listed = {"tests", "tests-cuda", "profile", "wrappers", "kernel", "kernel-long", "kernel-long-peers"}
     listed |= {"frozen-budgets", "trainable-budgets", "kernel-b2", "kernel-ab", "e2e", "recipe", "maxbatch"}
-    listed.add("maxbatch-8b")
+    listed |= {"maxbatch-8b", "e2e-kernels", "e2e-kernels-regional"}
     assert listed <= handled, listed - handled
     assert all(step in header for step in handled), handled - {s for s in handled if s in header}
