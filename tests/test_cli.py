@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trl_fused_cpo.cli import CPOScriptArguments, RecipeError, load_preference_dataset, make_parser
+from trl_fused_cpo.cli import CPOScriptArguments, RecipeError, make_parser
+from trl_fused_cpo.data import load_preference_dataset
 from trl_fused_cpo.toy import load_toy_preferences
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,14 +13,10 @@ import pytest
 import torch
 import yaml
 
-from trl_fused_cpo.cli import (
-    CPOScriptArguments,
-    load_model_and_tokenizer,
-    load_preference_dataset,
-    make_parser,
-    validate_preference_dataset,
-)
+from trl_fused_cpo.cli import CPOScriptArguments, make_parser
 from trl_fused_cpo.config import FusedCPOConfig
+from trl_fused_cpo.data import load_preference_dataset, validate_preference_dataset
+from trl_fused_cpo.models import load_model_and_tokenizer
 from trl_fused_cpo.toy import TOY_MODEL_NAME, toy_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,15 +21,10 @@ from __future__ import annotations
 import logging
 import sys
 
-from .cli import (
-    CPOScriptArguments,
-    RecipeError,
-    load_model_and_tokenizer,
-    load_preference_dataset,
-    make_parser,
-    validate_preference_dataset,
-)
+from .cli import CPOScriptArguments, RecipeError, make_parser
 from .config import FusedCPOConfig
+from .data import load_preference_dataset, validate_preference_dataset
+from .models import load_model_and_tokenizer
 
 __all__ = ["cli_main", "main", "make_parser"]
 
