@@ -404,15 +404,19 @@ def toy_pairs(n: int, worst_case: bool = False) -> list[dict[str, str]]:
     return [rows[i % len(rows)] for i in range(n)]
 
 
-def build_model(name: str, device: torch.device, seed: int):
-    """A random-init model of the named shape, built directly on ``device`` (bf16; the toy model fp32 on a CPU)."""
+def build_model(name: str, device: torch.device, seed: int, attn_implementation: str | None = None):
+    """A random-init model of the named shape, built directly on ``device`` (bf16; the toy model fp32 on a CPU), with
+    ``attn_implementation`` (None: transformers' default, sdpa)."""
     torch.manual_seed(seed)
     spec = MODELS[name]
     if spec.get("toy"):
         from trl_fused_cpo.toy import toy_model
 
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        return toy_model(seed=seed, dtype=dtype).to(device)
+        model = toy_model(seed=seed, dtype=dtype).to(device)
+        if attn_implementation is not None:
+            model.set_attn_implementation(attn_implementation)
+        return model
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     config = LlamaConfig(
@@ -428,7 +432,7 @@ def build_model(name: str, device: torch.device, seed: int):
     )
     config.dtype = torch.bfloat16
     with torch.device(device):
-        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attn_implementation)
 
 
 def tokenizer_for(name: str):

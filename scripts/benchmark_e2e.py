@@ -57,7 +57,8 @@ import torch
 from bench_common import GIB, MODELS, build_model, free_memory, is_oom, rows_for, tokenizer_for
 
 TRAINERS = ("stock", "fused")  # the trainers; a variant is one of them plus options, e.g. "fused+liger+compile"
-OPTIONS = ("liger", "compile", "compile-regional")
+OPTIONS = ("liger", "compile", "compile-regional", "padfree", "prefix")
+LAYOUTS = {"padfree": "padding_free", "prefix": "prefix_shared"}  # option -> FusedCPOConfig.batch_layout
 
 
 def parse_variant(variant: str) -> tuple[str, frozenset[str]]:
@@ -67,6 +68,8 @@ def parse_variant(variant: str) -> tuple[str, frozenset[str]]:
         raise ValueError(f"variant {variant!r}: one of {TRAINERS}, then any of {['+' + o for o in OPTIONS]}")
     if {"compile", "compile-regional"} <= set(options):
         raise ValueError(f"variant {variant!r}: +compile or +compile-regional, not both")
+    if len(set(LAYOUTS) & set(options)) > 1 or (base == "stock" and set(LAYOUTS) & set(options)):
+        raise ValueError(f"variant {variant!r}: at most one batch layout (+padfree, +prefix), on the fused trainer")
     return base, frozenset(options)
 
 
@@ -167,7 +170,12 @@ def make_config(
 ):
     from trl.experimental.cpo import CPOConfig
 
-    return CPOConfig(
+    from trl_fused_cpo import FusedCPOConfig
+
+    layout = next((LAYOUTS[o] for o in options if o in LAYOUTS), None)
+    config_cls, extra = (FusedCPOConfig, {"batch_layout": layout}) if layout else (CPOConfig, {})
+    return config_cls(
+        **extra,
         output_dir=output_dir,
         per_device_train_batch_size=micro_batch,
         gradient_accumulation_steps=1,
@@ -233,7 +241,10 @@ def run_one(
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_e2e_") as tmp, variant_scope(options):
         try:
-            model = build_model(model_name, device, args.seed)
+            packed = bool(set(LAYOUTS) & options)  # a packed row needs a block-sparse mask on the GPU
+            model = build_model(
+                model_name, device, args.seed, attn_implementation="flex_attention" if packed and cuda else None
+            )
             t_model = time.perf_counter()
             config = make_config(
                 tmp,
