@@ -15,6 +15,11 @@ tensor or a ``BlockMask`` is used as it is, so the position ids only drive RoPE)
 - ``flash_attention_*`` (varlen): ``None`` for ``padding_free``; the caller passes ``position_ids`` and
   transformers cuts the row where they restart at 0 (``prepare_fa_kwargs_from_position_ids``). ``prefix_shared``
   needs a mask varlen cannot express: refused.
+
+Call the model as ``model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=mask,
+use_cache=False)`` (as TRL does): with a cache, transformers also skips its own packed-sequence detection from
+``position_ids``, so sdpa/eager/flex called with ``attention_mask=None`` would let the segments attend to each other
+(tests/test_attention.py runs padding_free that way, exactly, only with ``use_cache=False``).
 """
 
 from __future__ import annotations
