@@ -271,3 +271,22 @@ def test_packed_layouts_are_refused_without_the_fused_loss(tmp_path):
     with pytest.raises(ValueError, match="needs use_fused_loss"):
         make_trainer(FusedCPOTrainer, tmp_path, config_cls=FusedCPOConfig, batch_layout="prefix_shared",
                      use_fused_loss=False)  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", PACKED)
+@pytest.mark.parametrize(
+    "case",
+    [dict(max_length=12), dict(max_length=7), dict(rows=range(1)), dict(gradient_checkpointing=True)],
+    ids=["truncated-at-max-length", "one-completion-token-left", "single-pair", "gradient-checkpointing"],
+)
+def test_packed_layouts_edge_cases_match_the_stock_trainer(tmp_path, layout, case):
+    """Pairs TRL truncates (down to one completion token), a batch of one pair, gradient checkpointing. (An empty
+    completion: tests/ops/test_rows.py; TRL's truncation always leaves one token.)"""
+    case = dict(case)
+    rows = case.pop("rows", range(4))
+    stock = loss_metrics_grads(make_trainer(CPOTrainer, tmp_path, **case), rows)
+    packed = make_trainer(FusedCPOTrainer, tmp_path, config_cls=FusedCPOConfig, batch_layout=layout, **case)
+    if case.get("max_length") == 7:
+        batch = packed.data_collator([packed.train_dataset[i] for i in rows])
+        assert (batch["chosen_labels"] != -100).sum(1).min() == 1  # the case is really there
+    assert_same_but_logit_means(stock, loss_metrics_grads(packed, rows))

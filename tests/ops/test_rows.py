@@ -3,6 +3,8 @@ rewards, NLL and gradients whether they come padded, packed without padding, or 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from conftest import OPTIONS
@@ -120,6 +122,26 @@ def test_packed_equals_padded_every_path(backend, memory, frozen):
     for name in ("weight", "bias"):
         if name in want_grads:
             torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "simpo"])
+def test_a_pair_with_an_empty_completion(loss_type):
+    """A chosen row with no labelled token: the same (finite) result padded and packed."""
+    padded, packed, weight, bias, lengths = _pairs(3, 12, 5, 31, seed=4)
+    padded["labels"][1] = -100
+    for batch in packed.values():
+        batch["labels"] = torch.where(batch["sequence"] == 1, -100, batch["labels"])
+    with pytest.warns(UserWarning) if loss_type == "simpo" else contextlib.nullcontext():
+        want, want_grads = _run(padded, weight, bias, lengths, packed=False, backend="torch", loss_type=loss_type)
+    for layout in ("padding_free", "prefix_shared"):
+        with pytest.warns(UserWarning) if loss_type == "simpo" else contextlib.nullcontext():
+            got, got_grads = _run(
+                packed[layout], weight, bias, lengths, packed=True, backend="torch", loss_type=loss_type
+            )
+        assert torch.isfinite(got.loss)
+        for name in FIELDS:
+            torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-9, atol=1e-12, msg=name)
+        torch.testing.assert_close(got_grads["weight"], want_grads["weight"], rtol=1e-9, atol=1e-12)
 
 
 def test_a_label_without_a_sequence_is_refused():
