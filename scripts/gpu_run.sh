@@ -115,7 +115,9 @@ for what in "${steps[@]}"; do
       done ;;
     e2e-layouts)  # issue 28's side-by-side: stock and the fused trainer padded, padding_free, prefix_shared (flex
       # attention), Llama-3.2-1B full at 8 and 16 pairs, Llama-3-8B LoRA at 8; same batches, one process per model
-      for spec in "llama3.2-1b 8,16 230" "llama3-8b 8 250"; do
+      # E2E_LAYOUT_SPECS="model micro-batches limit_s;..." narrows it to fit a short device budget
+      IFS=';' read -ra specs <<<"${E2E_LAYOUT_SPECS:-llama3.2-1b 8,16 230;llama3-8b 8 250}"
+      for spec in "${specs[@]}"; do
         read -r model batches limit <<<"$spec"
         timeout "$limit" python3 scripts/benchmark_e2e.py --model "$model" --micro-batches "$batches" --steps 4 \
           --warmup 2 --variants stock,fused,fused+padfree,fused+prefix --no-process-warmup --no-plots \
