@@ -33,10 +33,14 @@ class PackingCollator:
 
     def __call__(self, features: list[dict]) -> dict:
         batch = self.collate(features)
-        batch[PACKED_KEY] = pack_pairs(
+        batch[PACKED_KEY] = self.pack(batch)
+        return batch
+
+    def pack(self, batch: dict) -> PackedBatch:
+        """The ``PackedBatch`` of a collated batch, with this collator's layout and padding."""
+        return pack_pairs(
             batch, self.layout, pad_token_id=self.pad_token_id, pad_to_multiple_of=self.pad_to_multiple_of
         )
-        return batch
 
 
 def shared_pair(packed: PackedBatch) -> torch.Tensor:

@@ -183,11 +183,10 @@ def fused_linear_cpo_loss_packed(
     hp = _hyperparams(beta, loss_type, label_smoothing, cpo_alpha, simpo_gamma, alpha)
     with _autocast_off(hidden.device.type):
         rows = PackedRows.create(labels, sequence, shared_pair, row_lengths.to(labels.device), ignore_index)
-        out = linear_cpo(
+        return linear_cpo(
             hidden, weight, rows, bias, hp, backend=backend, chunk_bytes=chunk_bytes, memory=memory,
             grad_guess=grad_scale_guess,
         )  # fmt: skip
-    return out
 
 
 def _hyperparams(beta, loss_type, label_smoothing, cpo_alpha, simpo_gamma, alpha) -> CPOHyperparams:

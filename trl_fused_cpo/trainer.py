@@ -23,7 +23,7 @@ from .config import fused_options
 from .distributed import call_through_head, install_fused_forward
 from .loss import CPOLossOutput, fused_linear_cpo_loss, fused_linear_cpo_loss_packed
 from .ops.grad_scale import GradScaleGuess
-from .packing import PackedBatch, pack_pairs
+from .packing import PackedBatch
 
 logger = logging.getLogger(__name__)
 
@@ -147,9 +147,10 @@ class FusedCPOTrainer(CPOTrainer):
             raise ValueError(reason)
         self._ensure_fused_forward(self.model)
         if self.batch_layout != "padded":
-            self.data_collator = PackingCollator(
+            self._packing = PackingCollator(
                 self.data_collator, self.batch_layout, self.pad_token_id, self._attn_implementation()
             )
+            self.data_collator = self._packing
         if self.args.use_liger_kernel:
             self._liger_backbone_only()
 
@@ -160,9 +161,14 @@ class FusedCPOTrainer(CPOTrainer):
                 "reads a padded batch. Set batch_layout: padded."
             )
 
+    def _unwrapped_lm(self, model: nn.Module) -> nn.Module:
+        """The ``*ForCausalLM`` inside ``model``'s wrappers. ``keep_torch_compile=False``: patching torch.compile's
+        wrapper ran the backbone uncompiled, and its forward then called the compiled model, which called it again
+        (RecursionError on any call without labels)."""
+        return _causal_lm(self.accelerator.unwrap_model(model, keep_torch_compile=False))
+
     def _attn_implementation(self) -> str:
-        lm = _causal_lm(self.accelerator.unwrap_model(self.model, keep_torch_compile=False))
-        return getattr(lm.config, "_attn_implementation", None) or "eager"
+        return getattr(self._unwrapped_lm(self.model).config, "_attn_implementation", None) or "eager"
 
     def _liger_backbone_only(self) -> None:
         """``use_liger_kernel``: Liger's backbone kernels (RMSNorm, SwiGLU, RoPE) under the fused CPO head.
@@ -186,10 +192,7 @@ class FusedCPOTrainer(CPOTrainer):
     def _ensure_fused_forward(self, model: nn.Module) -> None:
         """Patch the causal LM's forward: at ``__init__``, and per batch on the model the batch runs on (``model_init``
         or a hyperparameter search may have rebuilt it; an unpickled model comes back unpatched). Cheap once done."""
-        # keep_torch_compile=False: patching torch.compile's wrapper ran the backbone uncompiled, and its forward
-        # then called the compiled model, which called it again (RecursionError on any call without labels).
-        unwrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False)
-        install_fused_forward(_causal_lm(unwrapped), self._fused_head)
+        install_fused_forward(self._unwrapped_lm(model), self._fused_head)
 
     def get_batch_loss_metrics(
         self, model, batch: dict[str, list | torch.LongTensor], train_eval: Literal["train", "eval"] = "train"
@@ -237,10 +240,10 @@ class FusedCPOTrainer(CPOTrainer):
         """A packed layout (``packing.py``): one row, no padding (and each prompt once with ``prefix_shared``), the
         attention kept inside each pair (and rejected off chosen) by the mask ``attention.py`` builds."""
         packed = batch.get(PACKED_KEY)
-        if packed is None:  # a batch that did not come through the trainer's collator
-            packed = pack_pairs(batch, self.batch_layout, pad_token_id=self.pad_token_id)
+        if packed is None:  # a batch that did not come through the trainer's collator: pack it as that would
+            packed = self._packing.pack(batch)
         packed = packed.to(self.accelerator.device)
-        embeddings = _causal_lm(self.accelerator.unwrap_model(model, keep_torch_compile=False)).get_input_embeddings()
+        embeddings = self._unwrapped_lm(model).get_input_embeddings()
         mask = packed_attention_mask(packed, dtype=embeddings.weight.dtype, implementation=self._attn_implementation())
         return model(
             packed.input_ids,
