@@ -238,6 +238,7 @@ def run_one(
     collator = CountingCollator(tokenizer.pad_token_id)
     timer = make_step_timer(device)
     trainer = model = None
+    graphs_before = _dynamo_graphs()
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_e2e_") as tmp, variant_scope(options):
         try:
@@ -298,6 +299,9 @@ def run_one(
             del trainer, model
             free_memory(device)
     rec["wall_s"] = time.perf_counter() - t_start
+    # Graphs Dynamo compiled in this run (flex_attention and +compile): more than a handful means a recompile per
+    # new shape or mask, which max_step_s shows as a slow timed step.
+    rec["dynamo_graphs"] = _dynamo_graphs() - graphs_before
     rec["step_times_s"] = timer.times
     rec["batches"] = collator.batches[: len(timer.times)]
     if cuda:
@@ -305,6 +309,12 @@ def run_one(
         rec["peak_after_step_gib"] = timer.peaks_gib
     summarize(rec)
     return rec
+
+
+def _dynamo_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def variant_scope(options: frozenset[str]):
