@@ -23,6 +23,9 @@ compiled once and reused, a shorter cold start). Compilation happens in the warm
 second recompiles for a new sequence length): give compiled variants ``--warmup 3``; ``warmup_s`` in results.json
 is what the warm-up cost. Each run restores what Liger patches in ``modeling_llama`` and resets Dynamo, so a variant
 never leaks into the next; results.json is rewritten after every run, so a call cut off keeps what finished.
+``fused+padfree`` and ``fused+prefix`` run the packed batch layouts (``batch_layout`` ``padding_free`` /
+``prefix_shared``) with flex_attention's BlockMask on the GPU; ``+sdpa`` gives them the dense mask through sdpa
+instead (which GPU path wins). ``dynamo_graphs`` in results.json counts the graphs each run compiled.
 
 Data (``bench_common.py``, shared with ``make_random_checkpoint.py``). ``CPOTrainer.__init__`` always runs ``tokenize_row`` over the text columns (there is no pre-tokenized input
 path), so the text is made to tokenize to known ids: an in-process ``tokenizers`` WordLevel tokenizer over the 128,256
@@ -57,7 +60,7 @@ import torch
 from bench_common import GIB, MODELS, build_model, free_memory, is_oom, rows_for, tokenizer_for
 
 TRAINERS = ("stock", "fused")  # the trainers; a variant is one of them plus options, e.g. "fused+liger+compile"
-OPTIONS = ("liger", "compile", "compile-regional", "padfree", "prefix")
+OPTIONS = ("liger", "compile", "compile-regional", "padfree", "prefix", "sdpa")
 LAYOUTS = {"padfree": "padding_free", "prefix": "prefix_shared"}  # option -> FusedCPOConfig.batch_layout
 
 
@@ -70,6 +73,8 @@ def parse_variant(variant: str) -> tuple[str, frozenset[str]]:
         raise ValueError(f"variant {variant!r}: +compile or +compile-regional, not both")
     if len(set(LAYOUTS) & set(options)) > 1 or (base == "stock" and set(LAYOUTS) & set(options)):
         raise ValueError(f"variant {variant!r}: at most one batch layout (+padfree, +prefix), on the fused trainer")
+    if "sdpa" in options and not set(LAYOUTS) & set(options):
+        raise ValueError(f"variant {variant!r}: +sdpa picks the packed layouts' attention: add +padfree or +prefix")
     return base, frozenset(options)
 
 
@@ -242,10 +247,7 @@ def run_one(
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_e2e_") as tmp, variant_scope(options):
         try:
-            packed = bool(set(LAYOUTS) & options)  # a packed row needs a block-sparse mask on the GPU
-            model = build_model(
-                model_name, device, args.seed, attn_implementation="flex_attention" if packed and cuda else None
-            )
+            model = build_model(model_name, device, args.seed, attn_implementation=attention_for(options, cuda))
             t_model = time.perf_counter()
             config = make_config(
                 tmp,
@@ -309,6 +311,14 @@ def run_one(
         rec["peak_after_step_gib"] = timer.peaks_gib
     summarize(rec)
     return rec
+
+
+def attention_for(options: frozenset[str], cuda: bool) -> str | None:
+    """A packed row on the GPU gets flex_attention's BlockMask, or with ``+sdpa`` the dense ``[N, N]`` mask through
+    sdpa (the comparison that says which GPU path wins); padded rows and CPU runs keep transformers' default."""
+    if "sdpa" in options:
+        return "sdpa"
+    return "flex_attention" if cuda and set(LAYOUTS) & options else None
 
 
 def _dynamo_graphs() -> int:

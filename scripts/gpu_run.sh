@@ -12,7 +12,8 @@
 #          1.25 / 1.5 GiB), kernel-b2 (fused and floor only, B = 2, every workload, 1 s an entry, ≈ 40 s: the
 #          fixed-cost-bound entries nearest 1.10×), kernel-ab (A/B/A: fused-only long runs of this tree, of each
 #          version staged under ab/, then of this tree again), e2e (scripts/benchmark_e2e.py, 1B/3B/8B + 20-step
-#          loss curves), e2e-layouts (stock vs fused padded / padding_free / prefix_shared, flex attention),
+#          loss curves), e2e-layouts (stock vs fused padded / padding_free / prefix_shared, flex attention, and
+#          prefix_shared on sdpa's dense mask),
 #          recipe (the 1B recipe through accelerate launch), maxbatch / maxbatch-8b (largest
 #          micro-batch per trainer, 1B / 8B LoRA), e2e-kernels (Liger's backbone kernels and torch.compile end to
 #          end: 1B full and 8B LoRA at 8 pairs, stock / fused / fused+liger / fused+compile / fused+liger+compile,
@@ -115,12 +116,13 @@ for what in "${steps[@]}"; do
       done ;;
     e2e-layouts)  # issue 28's side-by-side: stock and the fused trainer padded, padding_free, prefix_shared (flex
       # attention), Llama-3.2-1B full at 8 and 16 pairs, Llama-3-8B LoRA at 8; same batches, one process per model
-      # E2E_LAYOUT_SPECS="model micro-batches limit_s;..." narrows it to fit a short device budget
+      # E2E_LAYOUT_SPECS="model micro-batches limit_s;..." narrows it to fit a short device budget; fused+prefix+sdpa
+      # is prefix_shared on the dense mask (flex against sdpa); E2E_LAYOUT_VARIANTS overrides the list
       IFS=';' read -ra specs <<<"${E2E_LAYOUT_SPECS:-llama3.2-1b 8,16 230;llama3-8b 8 250}"
       for spec in "${specs[@]}"; do
         read -r model batches limit <<<"$spec"
         timeout "$limit" python3 scripts/benchmark_e2e.py --model "$model" --micro-batches "$batches" --steps 4 \
-          --warmup 2 --variants stock,fused,fused+padfree,fused+prefix --no-process-warmup --no-plots \
+          --warmup 2 --variants "${E2E_LAYOUT_VARIANTS:-stock,fused,fused+padfree,fused+prefix,fused+prefix+sdpa}" --no-process-warmup --no-plots \
           --out "$OUT/e2e_layouts_$model" 2>&1 | grep -vE "it/s]|s/it]" | tail -16 | tee -a "$OUT/e2e_layouts.txt"
       done ;;
     maxbatch) timeout 560 python3 scripts/benchmark_e2e.py --model llama3.2-1b --micro-batches "" --find-max-batch \

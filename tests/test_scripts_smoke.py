@@ -66,7 +66,7 @@ def test_benchmark_e2e_variants_toy(tmp_path):
 
 def test_benchmark_e2e_refuses_unknown_variants():
     main = load_script("benchmark_e2e").main
-    for bad in ("fused+turbo", "liger", "fused+compile+compile-regional", "fused+liger+liger"):
+    for bad in ("fused+turbo", "liger", "fused+compile+compile-regional", "fused+liger+liger", "fused+sdpa"):
         with pytest.raises(SystemExit):
             main(["--model", "toy", "--variants", bad])
 
