@@ -108,7 +108,8 @@ for what in "${steps[@]}"; do
       # each run, so a model cut off by its limit keeps what finished, and a failing variant is recorded, not fatal
       variants=stock,fused,fused+liger,fused+compile,fused+liger+compile
       [ "$what" = e2e-kernels-regional ] && variants=fused,fused+compile-regional,fused+liger+compile-regional
-      for spec in "llama3.2-1b 140" "llama3-8b 170"; do
+      IFS=';' read -ra specs <<<"${E2E_KERNEL_SPECS:-llama3.2-1b 140;llama3-8b 170}"  # "model limit_s;..."
+      for spec in "${specs[@]}"; do
         read -r model limit <<<"$spec"
         timeout "$limit" python3 scripts/benchmark_e2e.py --model "$model" --micro-batches 8 --steps 4 --warmup 3 \
           --variants "$variants" --no-process-warmup --no-plots --out "$OUT/${what//-/_}_$model" 2>&1 \
