@@ -25,7 +25,8 @@ is what the warm-up cost. Each run restores what Liger patches in ``modeling_lla
 never leaks into the next; results.json is rewritten after every run, so a call cut off keeps what finished.
 ``fused+padfree`` and ``fused+prefix`` run the packed batch layouts (``batch_layout`` ``padding_free`` /
 ``prefix_shared``) with flex_attention's BlockMask on the GPU; ``+sdpa`` gives them the dense mask through sdpa
-instead (which GPU path wins). ``dynamo_graphs`` in results.json counts the graphs each run compiled.
+instead (which GPU path wins). ``dynamo_graphs`` in results.json counts the graphs each run compiled; ``--profile``
+adds one untimed step per run under torch.profiler and keeps its top kernels (``profile_top``).
 
 Data (``bench_common.py``, shared with ``make_random_checkpoint.py``). ``CPOTrainer.__init__`` always runs ``tokenize_row`` over the text columns (there is no pre-tokenized input
 path), so the text is made to tokenize to known ids: an in-process ``tokenizers`` WordLevel tokenizer over the 128,256
@@ -150,6 +151,50 @@ def make_step_timer(device: torch.device):
     return StepTimer()
 
 
+def make_step_profiler(device: torch.device, step: int, top: int = 20):
+    """torch.profiler around optimizer step ``step`` (1-based; the run's last, kept out of the timing): the kernels
+    the GPU ran in it by total time (on a CPU, the operators), so a table shows which attention kernels run."""
+    from transformers import TrainerCallback
+
+    cuda = _cuda(device)
+
+    class StepProfiler(TrainerCallback):
+        def __init__(self):
+            self.prof = None
+            self.kernels: list[dict] = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step + 1 == step:  # global_step counts the steps already finished
+                activities = [torch.profiler.ProfilerActivity.CPU]
+                if cuda:
+                    activities.append(torch.profiler.ProfilerActivity.CUDA)
+                self.prof = torch.profiler.profile(activities=activities)
+                self.prof.__enter__()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.prof is None or self.kernels:
+                return
+            if cuda:
+                torch.cuda.synchronize()
+            self.prof.__exit__(None, None, None)
+            self.kernels = _top_events(self.prof, cuda, top)
+
+    return StepProfiler()
+
+
+def _top_events(prof, cuda: bool, top: int) -> list[dict]:
+    from torch.autograd import DeviceType
+
+    def total_us(event) -> float:
+        if not cuda:
+            return event.self_cpu_time_total
+        return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
+
+    events = [e for e in prof.key_averages() if (e.device_type == DeviceType.CUDA) == cuda and total_us(e) > 0]
+    events.sort(key=total_us, reverse=True)
+    return [{"name": e.key[:160], "ms": total_us(e) / 1e3, "calls": e.count} for e in events[:top]]
+
+
 def trainer_class(kind: str):
     kind, _ = parse_variant(kind)
     if kind == "stock":
@@ -211,8 +256,10 @@ def run_one(
     args,
     device: torch.device,
     tag: str = "bench",
+    profile_last: bool = False,
 ) -> dict:
-    """``max_steps`` steps of one trainer on a fresh model; timing, tokens, memory and loss of every step."""
+    """``max_steps`` steps of one trainer on a fresh model; timing, tokens, memory and loss of every step.
+    ``profile_last``: the last step runs under torch.profiler and is left out of the timing."""
     from datasets import Dataset
     from transformers import PrinterCallback, ProgressCallback
 
@@ -242,6 +289,7 @@ def run_one(
     tokenizer = tokenizer_for(model_name)
     collator = CountingCollator(tokenizer.pad_token_id)
     timer = make_step_timer(device)
+    profiler = make_step_profiler(device, max_steps) if profile_last else None
     trainer = model = None
     graphs_before = _dynamo_graphs()
     t_start = time.perf_counter()
@@ -264,7 +312,7 @@ def run_one(
                 train_dataset=dataset,
                 processing_class=tokenizer,
                 data_collator=collator,
-                callbacks=[timer],
+                callbacks=[timer] + ([profiler] if profiler else []),
                 peft_config=peft_config_for(model_name),
             )
             for cb in (PrinterCallback, ProgressCallback):
@@ -304,6 +352,11 @@ def run_one(
     # Graphs Dynamo compiled in this run (flex_attention and +compile): more than a handful means a recompile per
     # new shape or mask, which max_step_s shows as a slow timed step.
     rec["dynamo_graphs"] = _dynamo_graphs() - graphs_before
+    if profiler is not None and profiler.kernels:  # the profiled step is not a timed one
+        rec["profiled_step_s"] = timer.times.pop()
+        if timer.peaks_gib:
+            timer.peaks_gib.pop()
+        rec["profile_top"] = profiler.kernels
     rec["step_times_s"] = timer.times
     rec["batches"] = collator.batches[: len(timer.times)]
     if cuda:
@@ -657,6 +710,11 @@ def parse_args(argv):
         action="store_false",
         help="skip the untimed 2-step run of each trainer that precedes the measured runs of each model",
     )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="one more step per run under torch.profiler (not timed): its top kernels go in results.json",
+    )
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
     p.add_argument("--out", default="outputs/bench_e2e")
     p.add_argument("--no-plots", dest="plots", action="store_false", help="results.json only (fewer files to carry)")
@@ -723,8 +781,9 @@ def main(argv=None) -> int:
     print(f"device: {results['device']}; versions: {results['versions']}", flush=True)
 
     steps_total = args.warmup + args.steps
+    profiled = int(args.profile)  # one more step, under the profiler, after the timed ones
     for model in args.models:
-        n_rows = max(args.micro_batch_list, default=0) * steps_total
+        n_rows = max(args.micro_batch_list, default=0) * (steps_total + profiled)
         rows = rows_for(model, n_rows, args.seed)
         if args.process_warmup and args.micro_batch_list:  # (--micro-batches "" runs only the curve / max search)
             # One-time costs (CUDA/cuBLAS/SDPA first calls, Triton JIT of the fused kernels, lazy imports) stay out of
@@ -740,7 +799,9 @@ def main(argv=None) -> int:
                 )
         for mb in args.micro_batch_list:
             for kind in args.trainer_list:
-                rec = run_one(model, kind, mb, steps_total, args.warmup, rows, args, device)
+                rec = run_one(
+                    model, kind, mb, steps_total + profiled, args.warmup, rows, args, device, profile_last=args.profile
+                )
                 results["runs"].append(rec)
                 status = (
                     f"step {rec['step_s']:.3f} s, {rec['labelled_tok_s']:,.0f} labelled tok/s"

@@ -35,11 +35,14 @@ def test_benchmark_kernel_quick(tmp_path):
 @pytest.mark.slow
 def test_benchmark_e2e_toy(tmp_path):
     code = load_script("benchmark_e2e").main(
-        ["--model", "toy", "--micro-batches", "2", "--steps", "1", "--warmup", "1", "--out", str(tmp_path)]
+        ["--model", "toy", "--micro-batches", "2", "--steps", "1", "--warmup", "1", "--profile", "--out", str(tmp_path)]
     )
     assert code == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert {r["trainer"] for r in results["runs"]} == {"stock", "fused"}
+    for run in results["runs"]:  # --profile: one more step, profiled, not timed
+        assert len(run["step_times_s"]) == 2 and run["timed_steps"] == 1 and run["profiled_step_s"] > 0
+        assert any(e["name"] == "aten::mm" for e in run["profile_top"])
     assert results["comparisons"] and results["comparisons"][0]["same_batches"]
 
 
