@@ -119,13 +119,14 @@ for what in "${steps[@]}"; do
       # attention), Llama-3.2-1B full at 8 and 16 pairs, Llama-3-8B LoRA at 8; same batches, one process per model
       # E2E_LAYOUT_SPECS="model micro-batches limit_s;..." narrows it to fit a short device budget; fused+prefix+sdpa
       # is prefix_shared on the dense mask (flex against sdpa); E2E_LAYOUT_VARIANTS overrides the list. --profile:
-      # each run's last step under torch.profiler (not timed), its top kernels in results.json (the attention that ran)
+      # each run's last step under torch.profiler (not timed), its top kernels in results.json (the attention that ran).
+      # E2E_LAYOUT_ARGS adds benchmark_e2e.py arguments (e.g. "--curve-steps 20 --curve-micro-batch 8": loss curves)
       IFS=';' read -ra specs <<<"${E2E_LAYOUT_SPECS:-llama3.2-1b 8,16 230;llama3-8b 8 250}"
       for spec in "${specs[@]}"; do
         read -r model batches limit <<<"$spec"
         timeout "$limit" python3 scripts/benchmark_e2e.py --model "$model" --micro-batches "$batches" --steps 4 \
           --warmup 2 --variants "${E2E_LAYOUT_VARIANTS:-stock,fused,fused+padfree,fused+prefix,fused+prefix+sdpa}" --no-process-warmup --no-plots --profile \
-          --out "$OUT/e2e_layouts_$model" 2>&1 | grep -vE "it/s]|s/it]" | tail -16 | tee -a "$OUT/e2e_layouts.txt"
+          ${E2E_LAYOUT_ARGS:-} --out "$OUT/e2e_layouts_$model" 2>&1 | grep -vE "it/s]|s/it]" | tail -16 | tee -a "$OUT/e2e_layouts.txt"
       done ;;
     maxbatch) timeout 560 python3 scripts/benchmark_e2e.py --model llama3.2-1b --micro-batches "" --find-max-batch \
                 --max-batch-start 8 --max-batch-cap 192 --max-batch-tol 0.25 --out "$OUT/e2e_max" 2>&1 | tail -20 ;;
