@@ -18,7 +18,7 @@
 #          micro-batch per trainer, 1B / 8B LoRA), e2e-kernels (Liger's backbone kernels and torch.compile end to
 #          end: 1B full and 8B LoRA at 8 pairs, stock / fused / fused+liger / fused+compile / fused+liger+compile,
 #          ≈ 5 min), e2e-kernels-regional (the compiled variants with regional compilation, ≈ 2-3 min);
-#          default: tests profile
+#          default: tests profile. TESTS_LIMIT_S caps tests / tests-cuda (default 540 s).
 # A/B against earlier commits, in one device call. Stage the "before" versions on THIS machine (it has the history),
 # then carry "ab" (ignored by git) with the call:
 #   bash scripts/gpu_run.sh stage-ab REV [REV...]      # ab/<short rev>/trl_fused_cpo, via git archive; no wheels
@@ -48,10 +48,11 @@ steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests profile)
 for what in "${steps[@]}"; do
   case $what in
     tests)  # the whole log goes to $OUT as it is written, so a call cut off by its limit still returns progress
-      python3 -m pytest -q -rfE tests/gpu tests/ops tests/test_loss.py tests/test_edge_cases.py \
-        > "$OUT/gpu_tests.txt" 2>&1; tail -25 "$OUT/gpu_tests.txt" ;;
+      timeout "${TESTS_LIMIT_S:-540}" python3 -m pytest -q -rfE tests/gpu tests/ops tests/test_loss.py \
+        tests/test_edge_cases.py > "$OUT/gpu_tests.txt" 2>&1; tail -25 "$OUT/gpu_tests.txt" ;;
     tests-cuda)
-      python3 -m pytest -q -rfE tests/gpu > "$OUT/gpu_tests_cuda.txt" 2>&1; tail -8 "$OUT/gpu_tests_cuda.txt" ;;
+      timeout "${TESTS_LIMIT_S:-540}" python3 -m pytest -q -rfE tests/gpu > "$OUT/gpu_tests_cuda.txt" 2>&1
+      tail -8 "$OUT/gpu_tests_cuda.txt" ;;
     wrappers)
       run_check() { local name=$1; shift; timeout 240 "$@" 2>&1 | grep -E "^CHECK|Error|error" | tail -4 | sed "s/^/[$name] /" | tee -a "$OUT/wrappers.txt"; }
       run_check none python3 scripts/check_wrappers.py --check parity
