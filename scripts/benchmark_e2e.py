@@ -60,6 +60,8 @@ import bench_common as bc
 import torch
 from bench_common import GIB, MODELS, build_model, free_memory, is_oom, rows_for, tokenizer_for
 
+from trl_fused_cpo.packing import pack_pairs
+
 TRAINERS = ("stock", "fused")  # the trainers; a variant is one of them plus options, e.g. "fused+liger+compile"
 OPTIONS = ("liger", "compile", "compile-regional", "padfree", "prefix", "sdpa")
 LAYOUTS = {"padfree": "padding_free", "prefix": "prefix_shared"}  # option -> FusedCPOConfig.batch_layout
@@ -89,6 +91,7 @@ class CountingCollator:
         from trl.experimental.utils import DPODataCollatorWithPadding
 
         self.inner = DPODataCollatorWithPadding(pad_token_id=pad_token_id, is_encoder_decoder=False)
+        self.pad_token_id = pad_token_id
         self.batches: list[dict[str, int]] = []
 
     def __call__(self, features):
@@ -99,8 +102,12 @@ class CountingCollator:
             nonpad += int(batch[f"{side}_attention_mask"].sum())
         seq = max(batch["chosen_input_ids"].shape[1], batch["rejected_input_ids"].shape[1])
         pairs = int(batch["chosen_input_ids"].shape[0])
-        # padded = the [2B, T] positions the model actually runs (CPOTrainer pads chosen and rejected to one T)
-        self.batches.append({"pairs": pairs, "labelled": labelled, "nonpad": nonpad, "padded": 2 * pairs * seq})
+        # padded = the [2B, T] positions the model actually runs (CPOTrainer pads chosen and rejected to one T);
+        # padding_free / prefix_shared = the positions of the same pairs packed (before flex's 128-block tail)
+        counts = {"pairs": pairs, "labelled": labelled, "nonpad": nonpad, "padded": 2 * pairs * seq}
+        for layout in ("padding_free", "prefix_shared"):
+            counts[layout] = pack_pairs(batch, layout, pad_token_id=self.pad_token_id).num_tokens
+        self.batches.append(counts)
         return batch
 
 
@@ -427,6 +434,8 @@ def summarize(rec: dict) -> None:
     rec["step_s"] = statistics.median(times[i] for i in timed)
     for key in ("labelled", "nonpad", "padded"):
         rec[f"{key}_tok_s"] = sum(batches[i][key] for i in timed) / total_t
+    for key in ("padded", "padding_free", "prefix_shared"):  # the backbone's work per pair in each layout
+        rec[f"{key}_positions_per_pair"] = sum(batches[i][key] for i in timed) / sum(batches[i]["pairs"] for i in timed)
     rec["labelled_per_step"] = statistics.mean(batches[i]["labelled"] for i in timed)
 
 
