@@ -20,7 +20,7 @@ from test_trainer import assert_same, loss_metrics_grads, make_trainer
 from transformers.models.llama import modeling_llama
 from trl.experimental.cpo import CPOTrainer
 
-from trl_fused_cpo import FusedCPOTrainer
+from trl_fused_cpo import FusedCPOConfig, FusedCPOTrainer
 from trl_fused_cpo.toy import toy_model
 
 IDS = torch.tensor([[1, 5, 6, 7]])
@@ -221,3 +221,31 @@ def test_regional_compilation_trains_like_eager(tmp_path, monkeypatch):
     assert type(trainer.model_wrapped.model.layers[0]).__name__ == "OptimizedModule"
     assert regional == pytest.approx(eager, rel=1e-5)
     assert trainer.model_wrapped(IDS).logits.shape == (1, 4, trainer.model.config.vocab_size)
+
+
+# --------------------------------------------------------------------------------------------- with packed layouts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["padding_free", "prefix_shared"])
+def test_packed_layouts_with_liger_and_compile(tmp_path, liger, layout):
+    """A packed batch (issue 28) through Liger's backbone modules and a compiled model: one forward per step over the
+    packed row, the backbone compiled, and the padded eager run's losses."""
+    from torch._dynamo.utils import counters
+
+    eager, _ = train_losses(FusedCPOTrainer, tmp_path)
+    counters.clear()
+    packed, trainer = train_losses(
+        FusedCPOTrainer,
+        tmp_path,
+        config_cls=FusedCPOConfig,
+        batch_layout=layout,
+        use_liger_kernel=True,
+        torch_compile=True,
+        torch_compile_backend="aot_eager",
+    )
+    assert type(trainer.model_wrapped).__name__ == "OptimizedModule"
+    assert counters["stats"]["unique_graphs"] >= 1
+    norms_per_forward = 2 * trainer.model.config.num_hidden_layers + 1
+    assert liger.calls["LlamaRMSNorm"] == 2 * norms_per_forward and liger.calls["lce_forward"] == 0  # 2 steps
+    assert packed == pytest.approx(eager, rel=1e-5)
