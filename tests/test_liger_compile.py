@@ -16,7 +16,7 @@ from collections import Counter
 import pytest
 import torch
 import transformers.trainer
-from test_trainer import assert_same, loss_metrics_grads, make_trainer
+from test_trainer import PACKED, assert_same, loss_metrics_grads, make_trainer
 from transformers.models.llama import modeling_llama
 from trl.experimental.cpo import CPOTrainer
 
@@ -227,7 +227,7 @@ def test_regional_compilation_trains_like_eager(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["padding_free", "prefix_shared"])
+@pytest.mark.parametrize("layout", PACKED)
 def test_packed_layouts_with_liger_and_compile(tmp_path, liger, layout):
     """A packed batch (issue 28) through Liger's backbone modules and a compiled model: one forward per step over the
     packed row, the backbone compiled, and the padded eager run's losses."""
