@@ -51,6 +51,26 @@ def make_batch(
     return hidden.to(**to), weight.to(**to), bias.to(**to), labels.to(device)
 
 
+_FP32_PRECISION_KNOBS = [  # torch >= 2.9's TF32 switches (the legacy allow_tf32 flags must not be mixed with them)
+    (obj, "fp32_precision")
+    for obj in (torch.backends, torch.backends.cuda.matmul, torch.backends.cudnn)
+    if hasattr(obj, "fp32_precision")
+]
+
+
+@pytest.fixture(autouse=True)
+def restore_tf32():
+    """Put the process-wide TF32 switches back after every test.
+
+    ``TrainingArguments(torch_compile=True, bf16=True)`` turns TF32 on for the whole process (transformers'
+    ``enable_tf32``); on a GPU every fp32 test after it would then run TF32 GEMMs and miss its 1e-5 budget.
+    """
+    saved = [getattr(obj, name) for obj, name in _FP32_PRECISION_KNOBS]
+    yield
+    for (obj, name), value in zip(_FP32_PRECISION_KNOBS, saved, strict=True):
+        setattr(obj, name, value)
+
+
 @pytest.fixture
 def batch_factory():
     return make_batch

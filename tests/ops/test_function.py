@@ -8,11 +8,13 @@ from conftest import make_batch
 
 from trl_fused_cpo import fused_linear_cpo_loss
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton backend takes CUDA tensors (or the interpreter)
+
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_double_backward_is_refused(backend):
     """The gradients are computed in the forward: a second-order product would silently miss the fused term."""
-    hidden, weight, _, labels = make_batch(4, 9, 5, 17, dtype=torch.float32)
+    hidden, weight, _, labels = make_batch(4, 9, 5, 17, dtype=torch.float32, device=DEVICE)
     hidden.requires_grad_(True)
     out = fused_linear_cpo_loss(hidden, weight, labels, backend=backend)
     with pytest.raises(RuntimeError, match="twice|second-order|create_graph"):
