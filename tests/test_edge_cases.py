@@ -208,7 +208,7 @@ def test_auto_backend_keeps_float64_off_the_float32_kernels():
 
 def test_triton_backend_takes_a_frozen_non_contiguous_weight():
     """The torch backend took it; the Triton backend refused ("frozen_dx_ needs contiguous ... weight")."""
-    hidden, weight, _, labels = make_batch(4, 9, 8, 37, dtype=torch.float32)
+    hidden, weight, _, labels = make_batch(4, 9, 8, 37, dtype=torch.float32, device=DEVICE)
     strided = weight.t().contiguous().t()  # same values, column-major
     assert not strided.is_contiguous()
     outs = []
