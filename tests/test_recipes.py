@@ -7,6 +7,7 @@ uses only keys ``accelerate launch`` knows; the dataset checks name the column, 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,21 @@ def test_method_recipes_say_what_their_name_says():
         assert model_args.use_peft == ("lora" in recipe), recipe
         if "lora" in recipe:
             assert "lm_head" not in (model_args.lora_target_modules or []), "the fused loss refuses a LoRA lm_head"
+
+
+def test_recipes_keep_the_padded_layout_and_their_packed_opt_in_parses():
+    """TRL's layout until the packed ones' GPU evidence is complete; the opt-in a header names works as written."""
+    opt_in = re.compile(r"with (--batch_layout \S+ --attn_implementation \S+);")
+    named = 0
+    for recipe in RECIPES:
+        _, args, _ = parse(recipe)
+        assert args.batch_layout == "padded", recipe
+        found = opt_in.search((ROOT / recipe).read_text())
+        if found:
+            named += 1
+            _, packed, packed_model = parse(recipe, *found.group(1).split())
+            assert (packed.batch_layout, packed_model.attn_implementation) == ("prefix_shared", "flex_attention")
+    assert named >= 4  # the single-GPU Llama recipes
 
 
 def test_recipes_keep_the_columns_cpo_collates():
