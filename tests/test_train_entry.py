@@ -88,3 +88,24 @@ def test_one_local_jsonl_trains_with_every_recipe(recipe, tmp_path, caplog):
     assert (out / "train_results.json").exists() and not (out / "eval_results.json").exists()
     saved = "adapter_model.safetensors" if "lora" in recipe else "model.safetensors"
     assert (out / saved).exists(), saved
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "recipe", ["recipes/llama3_2/1B_full_cpo_single_device.yaml", "recipes/llama3/8B_lora_cpo_single_device.yaml"]
+)
+def test_the_packed_opt_in_trains_through_the_launcher_like_padded(recipe, tmp_path):
+    """The headers' opt-in through the whole launcher: the same first step as the recipe's padded layout.
+
+    On CPU the packed layout runs on sdpa's dense mask (flex_attention's backward needs CUDA); LoRA dropout is off so
+    that both layouts draw no random numbers.
+    """
+    from trl_fused_cpo.train import main, make_parser
+
+    metrics = {}
+    for layout in ("padded", "prefix_shared"):
+        argv = ["--config", str(ROOT / recipe), "--dataset_name", "toy", "--output_dir", str(tmp_path / layout)]
+        argv += [*_cpu_overrides(recipe), "--batch_layout", layout, "--lora_dropout", "0", "--eval_strategy", "no"]
+        argv += ["--eval_on_start", "false", "--per_device_train_batch_size", "4"]
+        metrics[layout] = main(*make_parser().parse_args_and_config(argv))
+    assert metrics["prefix_shared"]["train_loss"] == pytest.approx(metrics["padded"]["train_loss"], rel=1e-5)
