@@ -51,11 +51,16 @@ def make_batch(
     return hidden.to(**to), weight.to(**to), bias.to(**to), labels.to(device)
 
 
-_FP32_PRECISION_KNOBS = [  # torch >= 2.9's TF32 switches (the legacy allow_tf32 flags must not be mixed with them)
-    (obj, "fp32_precision")
-    for obj in (torch.backends, torch.backends.cuda.matmul, torch.backends.cudnn)
-    if hasattr(obj, "fp32_precision")
-]
+# The TF32 switches transformers' enable_tf32 flips: torch >= 2.9's fp32_precision, else (torch 2.8, which the bounds
+# admit) the legacy allow_tf32 flags. One API only: torch refuses a process that has mixed them.
+if hasattr(torch.backends, "fp32_precision"):
+    _TF32_KNOBS = [
+        (obj, "fp32_precision")
+        for obj in (torch.backends, torch.backends.cuda.matmul, torch.backends.cudnn)
+        if hasattr(obj, "fp32_precision")
+    ]
+else:
+    _TF32_KNOBS = [(torch.backends.cuda.matmul, "allow_tf32"), (torch.backends.cudnn, "allow_tf32")]
 
 
 @pytest.fixture(autouse=True)
@@ -65,9 +70,9 @@ def restore_tf32():
     ``TrainingArguments(torch_compile=True, bf16=True)`` turns TF32 on for the whole process (transformers'
     ``enable_tf32``); on a GPU every fp32 test after it would then run TF32 GEMMs and miss its 1e-5 budget.
     """
-    saved = [getattr(obj, name) for obj, name in _FP32_PRECISION_KNOBS]
+    saved = [getattr(obj, name) for obj, name in _TF32_KNOBS]
     yield
-    for (obj, name), value in zip(_FP32_PRECISION_KNOBS, saved, strict=True):
+    for (obj, name), value in zip(_TF32_KNOBS, saved, strict=True):
         setattr(obj, name, value)
 
 
