@@ -19,6 +19,8 @@ from trl.experimental.cpo import CPOTrainer  # noqa: E402
 
 from trl_fused_cpo.ops.cpo_math import CPOHyperparams  # noqa: E402
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # Triton's tensors: CUDA, or the CPU through the interpreter
+
 
 def make_batch(
     rows: int,

@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import make_batch
+from conftest import DEVICE, make_batch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -16,7 +16,6 @@ from trl_fused_cpo.ops.cpo_math import LOSS_TYPES, CPOHyperparams
 from trl_fused_cpo.ops.reference import reference_linear_cpo_loss
 
 BACKENDS = ["torch"] + (["triton"] if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1" else [])
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def batch(rows=4, seq_len=9, h=5, v=17, dtype=torch.float32, **kw):

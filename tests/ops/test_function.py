@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_batch
+from conftest import DEVICE, make_batch
 
 from trl_fused_cpo import fused_linear_cpo_loss
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton backend takes CUDA tensors (or the interpreter)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_batch
+from conftest import DEVICE, make_batch
 
 from trl_fused_cpo import fused_linear_cpo_loss
 from trl_fused_cpo.ops.grad_scale import GradScaleGuess
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = ["torch", "triton"]
 
 

@@ -10,12 +10,11 @@ import os
 
 import pytest
 import torch
-from conftest import make_batch
+from conftest import DEVICE, make_batch
 
 from trl_fused_cpo import fused_linear_cpo_loss
 from trl_fused_cpo.ops import torch_backend
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(
     DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1", reason="needs CUDA or TRITON_INTERPRET=1"
 )

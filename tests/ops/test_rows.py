@@ -7,11 +7,9 @@ import contextlib
 
 import pytest
 import torch
-from conftest import OPTIONS
+from conftest import DEVICE, OPTIONS
 
 from trl_fused_cpo import fused_linear_cpo_loss, fused_linear_cpo_loss_packed
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _pairs(num_pairs, seq_len, hidden_size, vocab, *, seed, dtype=torch.float64, device="cpu"):
