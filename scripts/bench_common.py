@@ -340,6 +340,24 @@ MODELS: dict[str, dict] = {
         "lora": LORA_ALL_LINEAR,
         "label": "Llama-3-8B, LoRA r=16 all linear",
     },
+    # QLoRA recipe's shape: checkpoint_only (scripts/make_random_checkpoint.py --layers N writes a depth-reduced
+    # copy; 80 bf16 layers do not fit one GPU, and the benchmarks build bf16 models).
+    "llama3.1-70b": {
+        "config": dict(
+            hidden_size=8192,
+            num_hidden_layers=80,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            head_dim=128,
+            intermediate_size=28_672,
+            tie_word_embeddings=False,
+            max_position_embeddings=131_072,
+            rope_parameters={**_LLAMA32_ROPE, "factor": 8.0},
+        ),
+        "lora": LORA_ALL_LINEAR,
+        "label": "Llama-3.1-70B (QLoRA recipe's shape)",
+        "checkpoint_only": True,
+    },
 }
 
 _TOKENIZER_CACHE: dict[str, object] = {}
@@ -404,9 +422,12 @@ def toy_pairs(n: int, worst_case: bool = False) -> list[dict[str, str]]:
     return [rows[i % len(rows)] for i in range(n)]
 
 
-def build_model(name: str, device: torch.device, seed: int, attn_implementation: str | None = None):
+def build_model(
+    name: str, device: torch.device, seed: int, attn_implementation: str | None = None, num_layers: int | None = None
+):
     """A random-init model of the named shape, built directly on ``device`` (bf16; the toy model fp32 on a CPU), with
-    ``attn_implementation`` (None: transformers' default, sdpa)."""
+    ``attn_implementation`` (None: transformers' default, sdpa); ``num_layers`` keeps only that many decoder layers
+    (every other width as named: per-layer memory, measured at two depths, extrapolates to the full one)."""
     torch.manual_seed(seed)
     spec = MODELS[name]
     if spec.get("toy"):
@@ -428,7 +449,7 @@ def build_model(name: str, device: torch.device, seed: int, attn_implementation:
         bos_token_id=LLAMA3_BOS,
         eos_token_id=LLAMA3_EOS,
         pad_token_id=LLAMA3_PAD,
-        **spec["config"],
+        **{**spec["config"], **({"num_hidden_layers": num_layers} if num_layers else {})},
     )
     config.dtype = torch.bfloat16
     with torch.device(device):

@@ -446,15 +446,18 @@ def find_max_batch(model_name: str, kind: str, args, device: torch.device) -> di
     """Largest micro-batch that fits: doubling from --max-batch-start, then bisection to --max-batch-tol.
 
     Each probe is a fresh model + trainer running --probe-steps steps (the second step is the first with Adam state)
-    on worst-case rows (every prompt and completion at its maximum length), so realistic batches of that size fit.
+    on worst-case rows (every prompt and completion at its maximum length), so any batch of that size fits; with
+    ``--max-batch-rows bench``, on the benchmark's lengths (a packed layout's memory follows its real token count).
     """
     probes: list[dict] = []
     cache: dict[int, bool] = {}
-    worst_rows = rows_for(model_name, args.max_batch_cap * args.probe_steps, args.seed + 1, worst_case=True)
+    probe_rows = rows_for(
+        model_name, args.max_batch_cap * args.probe_steps, args.seed + 1, worst_case=args.max_batch_rows == "worst"
+    )
 
     def fits(mb: int) -> bool:
         if mb not in cache:
-            rec = run_one(model_name, kind, mb, args.probe_steps, 0, worst_rows, args, device, tag="probe")
+            rec = run_one(model_name, kind, mb, args.probe_steps, 0, probe_rows, args, device, tag="probe")
             if not rec["ok"] and not rec["oom"]:
                 raise RuntimeError(f"probe {kind} mb={mb} failed: {rec.get('error')}\n{rec.get('traceback', '')}")
             cache[mb] = rec["ok"]
@@ -483,7 +486,7 @@ def find_max_batch(model_name: str, kind: str, args, device: torch.device) -> di
             else:
                 hi = mid
         hi_note = f"{hi} does not fit"
-    return {"max_micro_batch": lo, "first_oom": hi, "note": hi_note, "probes": probes}
+    return {"max_micro_batch": lo, "first_oom": hi, "note": hi_note, "rows": args.max_batch_rows, "probes": probes}
 
 
 # ------------------------------------------------------------------------------------------------------ reporting
@@ -598,6 +601,28 @@ def print_table(runs: list[dict], comparisons: list[dict], max_batch: dict) -> N
                 f"{model}: fused/stock labelled tok/s, each at its largest micro-batch = "
                 f"{f['labelled_tok_s'] / s['labelled_tok_s']:.2f}x"
             )
+        for row in max_batch_vs_fused(model, per_trainer):
+            print(
+                f"{model} {row['trainer']} / fused: largest micro-batch {row['micro_batch_ratio']:.2f}x, labelled "
+                f"tok/s there {_fmt(row.get('speedup'), '.2f')}x"
+            )
+
+
+def max_batch_vs_fused(model: str, per_trainer: dict) -> list[dict]:
+    """Each fused variant's largest micro-batch (and its tok/s there) against plain fused's (the padded layout)."""
+    base = per_trainer.get("fused")
+    if not base or not base["max_micro_batch"]:
+        return []
+    rows = []
+    for kind, res in per_trainer.items():
+        if kind == "fused" or not kind.startswith("fused"):
+            continue
+        row = {"model": model, "trainer": kind, "micro_batch_ratio": res["max_micro_batch"] / base["max_micro_batch"]}
+        run, base_run = res.get("run") or {}, base.get("run") or {}
+        if run.get("labelled_tok_s") and base_run.get("labelled_tok_s"):
+            row["speedup"] = run["labelled_tok_s"] / base_run["labelled_tok_s"]
+        rows.append(row)
+    return rows
 
 
 def write_plots(results: dict, out: Path) -> list[str]:
@@ -692,7 +717,8 @@ def parse_args(argv):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--model", default="llama3.2-1b", help=f"comma list of: {', '.join(MODELS)}")
+    runnable = [m for m in MODELS if not MODELS[m].get("checkpoint_only")]
+    p.add_argument("--model", default="llama3.2-1b", help=f"comma list of: {', '.join(runnable)}")
     p.add_argument("--micro-batches", default="2,4,8", help="comma list of per-device micro-batches (pairs)")
     p.add_argument(
         "--trainers",
@@ -714,6 +740,13 @@ def parse_args(argv):
     p.add_argument("--max-batch-tol", type=float, default=0.125, help="bisect until (first OOM - fits) <= tol * fits")
     p.add_argument("--probe-steps", type=int, default=2)
     p.add_argument(
+        "--max-batch-rows",
+        choices=("worst", "bench"),
+        default="worst",
+        help="probe rows: worst = every prompt and completion at its maximum length (the micro-batch any data fits); "
+        "bench = the benchmark's length distribution (what the packed layouts' saving is measured on)",
+    )
+    p.add_argument(
         "--no-process-warmup",
         dest="process_warmup",
         action="store_false",
@@ -732,8 +765,8 @@ def parse_args(argv):
     args.micro_batch_list = [int(x) for x in args.micro_batches.split(",") if x.strip()]
     args.trainer_list = [t.strip() for t in args.trainers.split(",") if t.strip()]
     for m in args.models:
-        if m not in MODELS:
-            p.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
+        if m not in runnable:
+            p.error(f"unknown model {m!r}; choose from {', '.join(runnable)}")
     for t in args.trainer_list:
         try:
             parse_variant(t)
@@ -862,6 +895,9 @@ def main(argv=None) -> int:
                     "fused_peak_gib": f.get("peak_gib"),
                 }
             )
+    results["max_batch_vs_fused"] = [
+        row for model, per_trainer in results["max_batch"].items() for row in max_batch_vs_fused(model, per_trainer)
+    ]
     results["total_wall_s"] = time.perf_counter() - t0
     print_table(results["runs"], results["comparisons"], results["max_batch"])
     bc.write_json(out / "results.json", results)

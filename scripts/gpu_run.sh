@@ -14,7 +14,8 @@
 #          version staged under ab/, then of this tree again), e2e (scripts/benchmark_e2e.py, 1B/3B/8B + 20-step
 #          loss curves), e2e-layouts (stock vs fused padded / padding_free / prefix_shared, flex attention, and
 #          prefix_shared on sdpa's dense mask),
-#          recipe (the 1B recipe through accelerate launch), maxbatch / maxbatch-8b (largest
+#          recipe (the 1B recipe through accelerate launch, with its evaluation), qlora-70b (the 70B QLoRA recipe's
+#          peak memory at its real widths, 2 and 4 layers, extrapolated to 80), maxbatch / maxbatch-8b (largest
 #          micro-batch per trainer, 1B / 8B LoRA), e2e-kernels (Liger's backbone kernels and torch.compile end to
 #          end: 1B full and 8B LoRA at 8 pairs, stock / fused / fused+liger / fused+compile / fused+liger+compile,
 #          ≈ 5 min), e2e-kernels-regional (the compiled variants with regional compilation, ≈ 2-3 min);
@@ -98,13 +99,33 @@ for what in "${steps[@]}"; do
       ab_run "$here-again" "$PWD" ;;
     e2e) timeout 560 python3 scripts/benchmark_e2e.py --model llama3.2-1b,llama3.2-3b,llama3-8b --micro-batches 2,4,8 \
            --steps 6 --curve-steps 20 --out "$OUT/e2e" 2>&1 | tail -30 ;;
-    recipe)  # the Llama-3.2-1B recipe through the launcher, on a random-init checkpoint with the real shapes
-      python3 scripts/make_random_checkpoint.py --model llama3.2-1b --out /tmp/llama3.2-1b | tee -a "$OUT/recipe_1b.txt"
+    recipe)  # the Llama-3.2-1B recipe as shipped (prefix_shared on flex) through the launcher, on a random-init
+      # checkpoint with the real shapes: 6 steps, then its evaluation on 64 test pairs; RECIPE_ARGS adds launcher flags
+      python3 scripts/make_random_checkpoint.py --model llama3.2-1b --out /tmp/llama3.2-1b --test-rows 64 \
+        | tee -a "$OUT/recipe_1b.txt"
       timeout 240 accelerate launch --config_file configs/single_gpu.yaml scripts/train_cpo.py \
         --config recipes/llama3_2/1B_full_cpo_single_device.yaml --model_name_or_path /tmp/llama3.2-1b \
-        --dataset_name /tmp/llama3.2-1b/preferences.jsonl --max_steps 5 --logging_steps 1 --eval_strategy no \
-        --save_strategy no --output_dir /tmp/run1b 2>&1 | grep -vE "Map|Generating|it/s]|s/it]" | tail -25 \
-        | tee -a "$OUT/recipe_1b.txt" ;;
+        --dataset_name /tmp/llama3.2-1b/data --max_steps 6 --logging_steps 1 --eval_strategy no --eval_on_start false \
+        --save_strategy no --output_dir /tmp/run1b ${RECIPE_ARGS:-} 2>&1 | grep -vE "Map|Generating|it/s]|s/it]" \
+        | tail -30 | tee -a "$OUT/recipe_1b.txt" ;;
+    qlora-70b)  # the 70B QLoRA recipe's peak memory: its real widths at 2 and 4 decoder layers (worst-case pairs,
+      # every prompt and completion at its maximum), both layouts; per-layer cost x 76 more layers = the 80-layer peak
+      for layers in 2 4; do
+        rm -rf /tmp/l70; python3 scripts/make_random_checkpoint.py --model llama3.1-70b --layers $layers --worst-case \
+          --rows 16 --out /tmp/l70 | tee -a "$OUT/qlora_70b.txt"
+        for layout in padded prefix_shared; do
+          attn=sdpa; [ $layout = prefix_shared ] && attn=flex_attention
+          for mb in ${QLORA_MICRO_BATCHES:-2 4}; do
+            echo "[70B-width, $layers layers, $layout, micro-batch $mb]" | tee -a "$OUT/qlora_70b.txt"
+            timeout 200 accelerate launch --config_file configs/single_gpu.yaml scripts/train_cpo.py \
+              --config recipes/llama3_1/70B_qlora_cpo.yaml --model_name_or_path /tmp/l70 \
+              --dataset_name /tmp/l70/preferences.jsonl --max_steps 2 --logging_steps 1 --save_strategy no \
+              --per_device_train_batch_size $mb --gradient_accumulation_steps 1 --batch_layout $layout \
+              --attn_implementation $attn --output_dir /tmp/run70 2>&1 | grep -E "Peak GPU|Error|error:|'loss'" \
+              | tail -4 | tee -a "$OUT/qlora_70b.txt"
+          done
+        done
+      done ;;
     e2e-kernels | e2e-kernels-regional)  # one process per model, cheap variants first; results.json is rewritten after
       # each run, so a model cut off by its limit keeps what finished, and a failing variant is recorded, not fatal
       variants=stock,fused,fused+liger,fused+compile,fused+liger+compile
@@ -129,11 +150,15 @@ for what in "${steps[@]}"; do
           --warmup 2 --variants "${E2E_LAYOUT_VARIANTS:-stock,fused,fused+padfree,fused+prefix,fused+prefix+sdpa}" --no-process-warmup --no-plots --profile \
           ${E2E_LAYOUT_ARGS:-} --out "$OUT/e2e_layouts_$model" 2>&1 | grep -vE "it/s]|s/it]" | tail -16 | tee -a "$OUT/e2e_layouts.txt"
       done ;;
-    maxbatch) timeout 560 python3 scripts/benchmark_e2e.py --model llama3.2-1b --micro-batches "" --find-max-batch \
-                --max-batch-start 8 --max-batch-cap 192 --max-batch-tol 0.25 --out "$OUT/e2e_max" 2>&1 | tail -20 ;;
-    maxbatch-8b) timeout 560 python3 scripts/benchmark_e2e.py --model llama3-8b --micro-batches "" --find-max-batch \
-                   --max-batch-start 24 --max-batch-cap 96 --max-batch-tol 0.25 --steps 2 --warmup 1 \
-                   --out "$OUT/e2e_max_8b" 2>&1 | grep -vE "it/s]|s/it]" | tail -24 ;;
+    # MAXBATCH_VARIANTS (default stock,fused) and MAXBATCH_ARGS (e.g. "--max-batch-rows bench --max-batch-cap 512")
+    maxbatch) timeout "${MAXBATCH_LIMIT_S:-560}" python3 scripts/benchmark_e2e.py --model llama3.2-1b --micro-batches "" \
+                --find-max-batch --max-batch-start 8 --max-batch-cap 192 --max-batch-tol 0.25 \
+                --variants "${MAXBATCH_VARIANTS:-stock,fused}" ${MAXBATCH_ARGS:-} --out "$OUT/e2e_max" 2>&1 \
+                | grep -vE "it/s]|s/it]" | tail -24 ;;
+    maxbatch-8b) timeout "${MAXBATCH_LIMIT_S:-560}" python3 scripts/benchmark_e2e.py --model llama3-8b --micro-batches "" \
+                   --find-max-batch --max-batch-start 24 --max-batch-cap 96 --max-batch-tol 0.25 --steps 2 --warmup 1 \
+                   --variants "${MAXBATCH_VARIANTS:-stock,fused}" ${MAXBATCH_ARGS:-} --out "$OUT/e2e_max_8b" 2>&1 \
+                   | grep -vE "it/s]|s/it]" | tail -24 ;;
     *) echo "unknown step $what" ;;
   esac
 done

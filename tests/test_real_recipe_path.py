@@ -25,6 +25,7 @@ def test_llama3_2_1b_recipe_runs_on_a_local_checkpoint(tmp_path):
         capture_output=True,
     )
     cpu = ["--bf16", "false", "--use_cpu", "true", "--tf32", "false", "--gradient_checkpointing", "false"]
+    cpu += ["--attn_implementation", "sdpa"]  # the recipe's flex_attention: its backward needs CUDA
     out = tmp_path / "run"
     cmd = [
         sys.executable,

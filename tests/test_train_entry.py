@@ -54,7 +54,8 @@ def test_console_script_points_at_the_launcher():
 
 
 def _cpu_overrides(recipe: str) -> list[str]:
-    """The toy model on CPU in fp32, one step of one micro-batch: each GPU recipe's own settings otherwise."""
+    """The toy model on CPU in fp32, one step of one micro-batch: each GPU recipe's own settings otherwise (its packed
+    layout on sdpa's dense mask, the CPU path)."""
     cpu = ["--use_cpu", "true", "--bf16", "false", "--tf32", "false", "--dtype", "float32"]
     cpu += ["--model_name_or_path", TOY_MODEL_NAME, "--max_steps", "1", "--gradient_accumulation_steps", "1"]
     cpu += ["--save_strategy", "no", "--logging_steps", "1", "--disable_tqdm", "true"]
@@ -62,6 +63,8 @@ def _cpu_overrides(recipe: str) -> list[str]:
         cpu += ["--load_in_4bit", "false", "--optim", "adamw_torch"]
     if not torch.cuda.is_available() and "adamw_torch_fused" in (ROOT / recipe).read_text():
         cpu += ["--optim", "adamw_torch"]
+    if "attn_implementation: flex_attention" in (ROOT / recipe).read_text():  # flex's backward needs CUDA
+        cpu += ["--attn_implementation", "sdpa"]
     return cpu
 
 
@@ -109,3 +112,19 @@ def test_the_packed_opt_in_trains_through_the_launcher_like_padded(recipe, tmp_p
         argv += ["--eval_on_start", "false", "--per_device_train_batch_size", "4"]
         metrics[layout] = main(*make_parser().parse_args_and_config(argv))
     assert metrics["prefix_shared"]["train_loss"] == pytest.approx(metrics["padded"]["train_loss"], rel=1e-5)
+
+
+def test_peak_memory_line_reports_the_run_on_cuda_and_nothing_without(monkeypatch):
+    from types import SimpleNamespace
+
+    from trl_fused_cpo.train import peak_memory_line
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert peak_memory_line() is None
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 11.25 * gib)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: 13.5 * gib)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: SimpleNamespace(total_memory=80 * gib))
+    assert peak_memory_line() == ("Peak GPU memory (this process): 11.2 GiB allocated, 13.5 GiB reserved, of 80 GiB")

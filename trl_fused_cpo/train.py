@@ -136,7 +136,27 @@ def _train_and_evaluate(trainer, training_args: FusedCPOConfig, *, evaluate: boo
             f"rewards/margins {eval_metrics.get('eval_rewards/margins', float('nan')):.4f}, "
             f"loss {eval_metrics.get('eval_loss', float('nan')):.4f}"
         )
+    peak = peak_memory_line()
+    if peak:
+        trainer.accelerator.print(peak)
     return metrics
+
+
+def peak_memory_line() -> str | None:
+    """This process's peak GPU memory over the run, for sizing the micro-batch (None without CUDA in use).
+
+    ``allocated`` is what tensors held (what a larger micro-batch grows); ``reserved`` adds the caching allocator's
+    slack, the figure ``nvidia-smi`` and an out-of-memory error are closer to.
+    """
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    gib = 2**30
+    return (
+        f"Peak GPU memory (this process): {torch.cuda.max_memory_allocated() / gib:.1f} GiB allocated, "
+        f"{torch.cuda.max_memory_reserved() / gib:.1f} GiB reserved, of {torch.cuda.get_device_properties(0).total_memory / gib:.0f} GiB"
+    )
 
 
 def _turn_evaluation_off(training_args: FusedCPOConfig, script_args: CPOScriptArguments, splits: list[str], no) -> None:
