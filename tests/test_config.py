@@ -43,3 +43,35 @@ def test_defaults_live_in_one_place_and_a_plain_cpo_config_gets_them():
         "memory": "lean",
         "batch_layout": "padded",
     }
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_gradient_checkpointing_reaches_the_renamed_field_without_a_warning(tmp_path, value):
+    """Newer transformers renamed gradient_checkpointing (a FutureWarning on the old name, which TRL sets by default
+    and older 5.x releases still need): the value must arrive under the new name, and nothing is printed."""
+    import warnings
+
+    from transformers import TrainingArguments
+
+    if "activation_checkpointing" not in TrainingArguments.__dataclass_fields__:
+        pytest.skip("this transformers has no activation_checkpointing: gradient_checkpointing is the only name")
+    kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": False}} if value else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        args = FusedCPOConfig(
+            output_dir=str(tmp_path), gradient_checkpointing=value, report_to=[], use_cpu=True, bf16=False, **kwargs
+        )
+    assert args.activation_checkpointing is value and args.gradient_checkpointing is value
+    if value:
+        assert args.activation_checkpointing_kwargs == {"use_reentrant": False}
+
+
+def test_an_explicit_activation_checkpointing_wins(tmp_path):
+    from transformers import TrainingArguments
+
+    if "activation_checkpointing" not in TrainingArguments.__dataclass_fields__:
+        pytest.skip("this transformers has no activation_checkpointing")
+    args = FusedCPOConfig(
+        output_dir=str(tmp_path), gradient_checkpointing=True, activation_checkpointing=False, use_cpu=True, bf16=False
+    )
+    assert args.activation_checkpointing is False and args.gradient_checkpointing is False

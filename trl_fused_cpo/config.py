@@ -87,7 +87,24 @@ class FusedCPOConfig(CPOConfig):
         except (TypeError, ValueError) as err:  # name the config's fields, not the functional's arguments
             message = str(err).replace("chunk_bytes", "fused_chunk_bytes").replace("memory=", "fused_memory=")
             raise type(err)(message) from None
+        _adopt_activation_checkpointing(self)
         super().__post_init__()
+
+
+def _adopt_activation_checkpointing(args) -> None:
+    """Hand ``gradient_checkpointing*`` to the ``activation_checkpointing*`` names of newer transformers, quietly.
+
+    Newer transformers renamed them and warns on the old names (a FutureWarning on every run: TRL's CPOConfig sets
+    ``gradient_checkpointing=True`` by default). The new names do not exist in older 5.x releases, so the recipes and
+    the command line keep the old ones, which every supported transformers reads; a warning no user of the supported
+    range can act on is noise. A new name set explicitly wins, as in transformers.
+    """
+    for old, new in (
+        ("gradient_checkpointing", "activation_checkpointing"),
+        ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"),
+    ):
+        if hasattr(args, new) and getattr(args, new) is None and getattr(args, old) is not None:
+            setattr(args, new, getattr(args, old))
 
 
 _FUSED_FIELDS = {f.name: f.default for f in fields(FusedCPOConfig) if f.name not in {g.name for g in fields(CPOConfig)}}
