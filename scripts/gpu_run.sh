@@ -16,7 +16,8 @@
 #          prefix_shared on sdpa's dense mask),
 #          recipe (the 1B recipe through accelerate launch, with its evaluation), qlora-70b (the 70B QLoRA recipe's
 #          peak memory at its real widths, 2 and 4 layers, extrapolated to 80), maxbatch / maxbatch-8b (largest
-#          micro-batch per trainer, 1B / 8B LoRA), e2e-kernels (Liger's backbone kernels and torch.compile end to
+#          micro-batch per trainer, 1B / 8B LoRA), maxbatch-packed (fused padded's largest micro-batch on the
+#          benchmark's lengths, then prefix_shared's from 1.5x it), e2e-kernels (Liger's backbone kernels and torch.compile end to
 #          end: 1B full and 8B LoRA at 8 pairs, stock / fused / fused+liger / fused+compile / fused+liger+compile,
 #          ≈ 5 min), e2e-kernels-regional (the compiled variants with regional compilation, ≈ 2-3 min);
 #          default: tests profile. TESTS_LIMIT_S caps tests / tests-cuda (default 540 s).
@@ -159,6 +160,21 @@ for what in "${steps[@]}"; do
                    --find-max-batch --max-batch-start 24 --max-batch-cap 96 --max-batch-tol 0.25 --steps 2 --warmup 1 \
                    --variants "${MAXBATCH_VARIANTS:-stock,fused}" ${MAXBATCH_ARGS:-} --out "$OUT/e2e_max_8b" 2>&1 \
                    | grep -vE "it/s]|s/it]" | tail -24 ;;
+    maxbatch-packed)  # issue 28's largest micro-batch on the benchmark's lengths: fused padded's, searched; then
+      # fused+prefix from 1.5x it (the target) upwards. MAXBATCH_MODEL (default llama3.2-1b), MAXBATCH_LIMIT_S per search
+      model=${MAXBATCH_MODEL:-llama3.2-1b}; dir="$OUT/maxbatch_packed_$model"
+      max_search() {  # variant start cap tol
+        timeout "${MAXBATCH_LIMIT_S:-240}" python3 scripts/benchmark_e2e.py --model "$model" --micro-batches "" \
+          --find-max-batch --max-batch-rows bench --max-batch-start "$2" --max-batch-cap "$3" --max-batch-tol "$4" \
+          --steps 2 --warmup 1 --variants "$1" --no-plots --out "$dir/$1" 2>&1 | grep -E "probe|largest" \
+          | tee -a "$OUT/maxbatch_packed.txt"
+      }
+      max_search fused 32 1024 0.25
+      padded=$(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(r['max_batch'][sys.argv[2]]['fused']['max_micro_batch'])" \
+        "$dir/fused/results.json" "$model" 2>/dev/null)
+      if [ -n "$padded" ] && [ "$padded" -gt 0 ]; then
+        max_search fused+prefix $(( (3 * padded + 1) / 2 )) $(( 4 * padded )) 0.5
+      else echo "maxbatch-packed: no padded maximum for $model" | tee -a "$OUT/maxbatch_packed.txt"; fi ;;
     *) echo "unknown step $what" ;;
   esac
 done
