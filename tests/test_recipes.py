@@ -116,13 +116,14 @@ def test_method_recipes_say_what_their_name_says():
             assert "lm_head" not in (model_args.lora_target_modules or []), "the fused loss refuses a LoRA lm_head"
 
 
-# Single-GPU Llama recipes: measured on one GPU with the packed layout (docs/benchmarks.md). The multi-GPU ones keep
+# Single-GPU Llama recipes: run on one GPU with the packed layout (docs/benchmarks.md). The multi-GPU ones keep
 # TRL's layout until flex_attention under FSDP2 / ZeRO-3 has run on several GPUs.
 PACKED_RECIPES = {
     "recipes/llama3_2/1B_full_cpo_single_device.yaml",
     "recipes/llama3_2/3B_lora_cpo_single_device.yaml",
     "recipes/llama3/8B_lora_cpo_single_device.yaml",
     "recipes/llama3/8B_lora_simpo.yaml",
+    "recipes/llama3_1/70B_qlora_cpo.yaml",
 }
 
 
