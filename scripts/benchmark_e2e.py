@@ -615,7 +615,7 @@ def max_batch_vs_fused(model: str, per_trainer: dict) -> list[dict]:
         return []
     rows = []
     for kind, res in per_trainer.items():
-        if kind == "fused" or not kind.startswith("fused"):
+        if kind == "fused" or parse_variant(kind)[0] != "fused":
             continue
         row = {"model": model, "trainer": kind, "micro_batch_ratio": res["max_micro_batch"] / base["max_micro_batch"]}
         run, base_run = res.get("run") or {}, base.get("run") or {}

@@ -17,9 +17,9 @@
 #          recipe (the 1B recipe through accelerate launch, with its evaluation), qlora-70b (the 70B QLoRA recipe's
 #          peak memory at its real widths, 2 and 4 layers, extrapolated to 80), maxbatch / maxbatch-8b (largest
 #          micro-batch per trainer, 1B / 8B LoRA), maxbatch-packed (fused padded's largest micro-batch on the
-#          benchmark's lengths, then prefix_shared's from 1.5x it), e2e-kernels (Liger's backbone kernels and torch.compile end to
-#          end: 1B full and 8B LoRA at 8 pairs, stock / fused / fused+liger / fused+compile / fused+liger+compile,
-#          ≈ 5 min), e2e-kernels-regional (the compiled variants with regional compilation, ≈ 2-3 min);
+#          benchmark's lengths, then prefix_shared's from 1.5x it), e2e-kernels (Liger's backbone kernels and
+#          torch.compile end to end: 1B full and 8B LoRA at 8 pairs, stock / fused / fused+liger / fused+compile /
+#          fused+liger+compile, ≈ 5 min), e2e-kernels-regional (the compiled variants with regional compilation, ≈ 2-3 min);
 #          default: tests profile. TESTS_LIMIT_S caps tests / tests-cuda (default 540 s).
 # A/B against earlier commits, in one device call. Stage the "before" versions on THIS machine (it has the history),
 # then carry "ab" (ignored by git) with the call:

@@ -59,11 +59,12 @@ def _cpu_overrides(recipe: str) -> list[str]:
     cpu = ["--use_cpu", "true", "--bf16", "false", "--tf32", "false", "--dtype", "float32"]
     cpu += ["--model_name_or_path", TOY_MODEL_NAME, "--max_steps", "1", "--gradient_accumulation_steps", "1"]
     cpu += ["--save_strategy", "no", "--logging_steps", "1", "--disable_tqdm", "true"]
+    text = (ROOT / recipe).read_text()
     if "qlora" in recipe:  # bitsandbytes: no 4-bit base, no paged 8-bit optimizer on CPU
         cpu += ["--load_in_4bit", "false", "--optim", "adamw_torch"]
-    if not torch.cuda.is_available() and "adamw_torch_fused" in (ROOT / recipe).read_text():
+    if not torch.cuda.is_available() and "adamw_torch_fused" in text:
         cpu += ["--optim", "adamw_torch"]
-    if "attn_implementation: flex_attention" in (ROOT / recipe).read_text():  # flex's backward needs CUDA
+    if "attn_implementation: flex_attention" in text:  # flex's backward needs CUDA
         cpu += ["--attn_implementation", "sdpa"]
     return cpu
 

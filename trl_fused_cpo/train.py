@@ -155,7 +155,8 @@ def peak_memory_line() -> str | None:
     gib = 2**30
     return (
         f"Peak GPU memory (this process): {torch.cuda.max_memory_allocated() / gib:.1f} GiB allocated, "
-        f"{torch.cuda.max_memory_reserved() / gib:.1f} GiB reserved, of {torch.cuda.get_device_properties(0).total_memory / gib:.0f} GiB"
+        f"{torch.cuda.max_memory_reserved() / gib:.1f} GiB reserved, "
+        f"of {torch.cuda.get_device_properties().total_memory / gib:.0f} GiB"  # the current device, like the peaks
     )
 
 
