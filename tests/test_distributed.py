@@ -11,13 +11,11 @@ import weakref
 
 import pytest
 import torch
-from datasets import Dataset
-from trl.experimental.cpo import CPOConfig
+from test_trainer import make_trainer
 
 from trl_fused_cpo import FusedCPOTrainer
 from trl_fused_cpo.distributed import call_through_head
 from trl_fused_cpo.loss import fused_linear_cpo_loss
-from trl_fused_cpo.toy import load_toy_preferences, toy_model, toy_tokenizer
 
 
 def test_call_through_head_equals_direct_read_and_restores_forward():
@@ -44,25 +42,7 @@ def test_call_through_head_equals_direct_read_and_restores_forward():
 
 
 def _trainer(tmp_path, **overrides):
-    args = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        bf16=False,
-        report_to=[],
-        max_length=64,
-        gradient_checkpointing=False,
-        use_cpu=True,
-        save_strategy="no",
-        max_steps=1,
-        learning_rate=1e-3,
-    )
-    args.update(overrides)
-    return FusedCPOTrainer(
-        model=toy_model(),
-        args=CPOConfig(**args),
-        train_dataset=Dataset.from_list(load_toy_preferences("train")[:8]),
-        processing_class=toy_tokenizer(),
-    )
+    return make_trainer(FusedCPOTrainer, tmp_path, max_steps=1, learning_rate=1e-3, **overrides)
 
 
 def _fused_loss(trainer, model):
