@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
+from transformers import TrainingArguments
 
 from trl_fused_cpo import FusedCPOConfig
 from trl_fused_cpo.config import fused_options
+
+# Newer transformers renamed gradient_checkpointing* to activation_checkpointing*; older 5.x releases have only the old.
+needs_activation_checkpointing = pytest.mark.skipif(
+    "activation_checkpointing" not in TrainingArguments.__dataclass_fields__,
+    reason="this transformers has no activation_checkpointing: gradient_checkpointing is the only name",
+)
 
 
 def _config(**knobs) -> FusedCPOConfig:
@@ -45,16 +54,11 @@ def test_defaults_live_in_one_place_and_a_plain_cpo_config_gets_them():
     }
 
 
+@needs_activation_checkpointing
 @pytest.mark.parametrize("value", [True, False])
 def test_gradient_checkpointing_reaches_the_renamed_field_without_a_warning(tmp_path, value):
     """Newer transformers renamed gradient_checkpointing (a FutureWarning on the old name, which TRL sets by default
     and older 5.x releases still need): the value must arrive under the new name, and nothing is printed."""
-    import warnings
-
-    from transformers import TrainingArguments
-
-    if "activation_checkpointing" not in TrainingArguments.__dataclass_fields__:
-        pytest.skip("this transformers has no activation_checkpointing: gradient_checkpointing is the only name")
     kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": False}} if value else {}
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
@@ -66,11 +70,8 @@ def test_gradient_checkpointing_reaches_the_renamed_field_without_a_warning(tmp_
         assert args.activation_checkpointing_kwargs == {"use_reentrant": False}
 
 
+@needs_activation_checkpointing
 def test_an_explicit_activation_checkpointing_wins(tmp_path):
-    from transformers import TrainingArguments
-
-    if "activation_checkpointing" not in TrainingArguments.__dataclass_fields__:
-        pytest.skip("this transformers has no activation_checkpointing")
     args = FusedCPOConfig(
         output_dir=str(tmp_path), gradient_checkpointing=True, activation_checkpointing=False, use_cpu=True, bf16=False
     )
