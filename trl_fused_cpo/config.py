@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 
 from trl.experimental.cpo import CPOConfig
 
+from .activations import check_policy
 from .ops.schedule import (
     DEFAULT_CHUNK_BYTES_FROZEN,
     DEFAULT_CHUNK_BYTES_NO_GRAD,
@@ -71,7 +72,34 @@ class FusedCPOConfig(CPOConfig):
         },
     )
 
+    activation_policy: str = field(
+        default="auto",
+        metadata={
+            "help": "Which decoder layers recompute their forward in the backward (all exact: the same gradients): "
+            "'none' (keep every activation), 'full' (every layer, TRL's gradient_checkpointing), a number k (the "
+            "first k layers), 'offload' (every layer, the saved layer inputs in pinned host memory) or 'auto' (on "
+            "CUDA: none when the estimated activations of a 2 x batch x max_length micro-batch fit 85 percent of the card "
+            "after weights and optimizer state, else the fewest layers that fit, else offload; elsewhere, and "
+            "whenever gradient_checkpointing is set explicitly, gradient_checkpointing decides). A named policy or "
+            "a number wins over gradient_checkpointing. One logged line says what was chosen and why.",
+        },
+    )
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={
+            "help": "TRL's blanket activation checkpointing (unset: True, TRL's default, and activation_policy "
+            "'auto' may replace it; set explicitly, 'auto' keeps it)."
+        },
+    )
+
     def __post_init__(self):
+        self.activation_policy = check_policy(self.activation_policy)
+        # auto acts only on a default it may replace; the newer transformers name counts as explicit too
+        self._gradient_checkpointing_explicit = (
+            self.gradient_checkpointing is not None or getattr(self, "activation_checkpointing", None) is not None
+        )
+        if self.gradient_checkpointing is None:
+            self.gradient_checkpointing = True
         if not isinstance(self.use_fused_loss, bool):
             raise TypeError(f"use_fused_loss must be true or false; got {self.use_fused_loss!r}.")
         if self.fused_backend not in BACKENDS:

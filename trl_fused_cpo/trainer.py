@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from trl.experimental.cpo import CPOTrainer
 
+from .activations import decoder_layers, install_plan, plan_for_training, plan_line
 from .attention import packed_attention_mask, packing_unsupported_reason
 from .collator import PACKED_KEY, PackingCollator, shared_pair
 from .config import fused_options
@@ -114,6 +115,7 @@ class FusedCPOTrainer(CPOTrainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self._apply_activation_policy()
         options = fused_options(self.args)
         self.use_fused_loss = options["use_fused_loss"]
         self.batch_layout = options["batch_layout"]
@@ -153,6 +155,15 @@ class FusedCPOTrainer(CPOTrainer):
             self.data_collator = self._packing
         if self.args.use_liger_kernel:
             self._liger_backbone_only()
+
+    def _apply_activation_policy(self) -> None:
+        """``activation_policy`` (activations.py): which decoder layers recompute, decided once with the model on its
+        device and before the optimizer state exists; ``Trainer.train`` then finds gradient_checkpointing off unless
+        the plan leaves it to transformers."""
+        sharded = bool(getattr(self, "is_fsdp_enabled", False) or getattr(self, "is_deepspeed_enabled", False))
+        plan = plan_for_training(self.model, self.args, max_length=self.max_length, sharded=sharded)
+        install_plan(self.model, self.args, plan)
+        logger.info(plan_line(plan, len(decoder_layers(self.model))))
 
     def _refuse_packing_without_the_fused_loss(self, why: str) -> None:
         if self.batch_layout != "padded":
