@@ -465,8 +465,125 @@ def tokenizer_for(name: str):
     return synthetic_tokenizer()
 
 
-def rows_for(name: str, n: int, seed: int, worst_case: bool = False) -> list[dict[str, str]]:
-    """``n`` preference rows that the model ``name``'s tokenizer reads."""
+# Length profiles (tokens, uniform in each range; prompt + completion + bos + eos <= max_length, nothing truncated).
+# APPROXIMATE shapes, not token counts of the real sets (the GPU machine reaches no hub):
+# - synthetic: the benchmark's original lengths.
+# - ultrafeedback: short single-turn instructions, longer answers. Its dataset card (HuggingFaceH4/
+#   ultrafeedback_binarized: 61,135 train pairs) publishes no token statistics; the ranges are an assumption of
+#   that shape (prompt 20-300, completions 100-700), to be replaced by a token count of the real set.
+# - capybara: multi-turn, the earlier turns in the prompt. Its card (LDJnr/Capybara) states an average context of
+#   "over 1,000 tokens" and "3 turns or more": prompt 400-1,600 (mean 1,000), completions 150-440, max_length 2048.
+LENGTH_PROFILES: dict[str, dict] = {
+    "synthetic": {"prompt_len": (100, 400), "completion_len": (100, 600), "max_length": 1024},
+    "ultrafeedback": {"prompt_len": (20, 300), "completion_len": (100, 700), "max_length": 1024},
+    "capybara": {"prompt_len": (400, 1600), "completion_len": (150, 440), "max_length": 2048},
+}
+
+
+def rows_for(
+    name: str, n: int, seed: int, worst_case: bool = False, profile: str = "synthetic"
+) -> list[dict[str, str]]:
+    """``n`` preference rows that the model ``name``'s tokenizer reads, of the length ``profile``."""
     if MODELS[name].get("toy"):
         return toy_pairs(n, worst_case=worst_case)
-    return synthetic_pairs(n, seed, worst_case=worst_case)
+    lengths = LENGTH_PROFILES[profile]
+    return synthetic_pairs(
+        n, seed, prompt_len=lengths["prompt_len"], completion_len=lengths["completion_len"], worst_case=worst_case
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The distance to the limit: unique-token MFU, the cuBLAS rate beside it, the profiled step by kernel class
+# --------------------------------------------------------------------------------------------------------------------
+
+DENSE_BF16_PEAK = 989e12  # H100 SXM and H200, dense bf16 FLOP/s (the datasheets' figure without sparsity)
+
+
+def non_embedding_params(model) -> int:
+    """Parameters of the backbone less the embedding and the head (and any LoRA adapter): DESIGN's N_nonembed."""
+    return sum(
+        p.numel()
+        for name, p in model.named_parameters()
+        if not any(key in name for key in ("embed_tokens", "lm_head", "lora_"))
+    )
+
+
+def unique_token_flops(
+    *, n_nonembed: int, layers: int, hidden: int, vocab: int, unique: int, attn_sq: int, labelled: int, frozen: bool
+) -> float:
+    """FLOPs of one micro-batch, each pair counted once and nothing recomputed: the backbone ``K·N`` a unique
+    position (K = 6 full fine-tune, 4 frozen base), causal attention ``6·L·d·((P+C)² + (P+R)² - P²)`` a pair
+    (``attn_sq`` sums the brackets), the head ``K·V·H`` a labelled token."""
+    k = 4 if frozen else 6
+    return k * n_nonembed * unique + 6 * layers * hidden * attn_sq + k * vocab * hidden * labelled
+
+
+def cublas_bf16_tflops(device: torch.device, n: int = 8192) -> float | None:
+    """The ``n³`` bf16 matmul rate on this GPU, this process (None off CUDA): what the card gives a plain GEMM."""
+    if device.type != "cuda":
+        return None
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    ms = time_ms(lambda: a @ b, device, warmup=100, rep=500)
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+# Kernel classes, by name (lower case), the first match wins: attention before GEMM (cuDNN's and CUTLASS's fmha
+# kernels carry "gemm"-like tiles in their names), the fused head's Triton kernels by their function names.
+KERNEL_CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("optimizer", ("multi_tensor_apply", "adam", "lpnorm", "fused_optimizer")),
+    ("attention", ("flash", "fmha", "sdpa", "flex_attention", "attention", "attn")),
+    (
+        "head",
+        (
+            "_softmax_grad_kernel",
+            "_segment_stats_kernel",
+            "_combine_kernel",
+            "_pair_tail_kernel",
+            "_finish_kernel",
+            "_label_counts_kernel",
+            "_compact_labels_kernel",
+            "_scale_cast_kernel",
+            "_rescale_kernel",
+            "_shifted_exp",
+            "_frozen_dx_kernel",
+        ),
+    ),  # fmt: skip
+    ("gemm", ("gemm", "nvjet", "cublas", "cutlass", "xmma", "splitk", "matmul", "_mm_", "triton_tem_fused_mm")),
+    ("copy", ("memcpy", "memset", "nccl")),
+)
+STEP_PARTS = ("gemm", "attention", "elementwise", "head", "optimizer", "copy", "idle")
+
+
+def kernel_class(name: str, scopes: Sequence[str] = ()) -> str:
+    """The class of a GPU kernel: ``head`` or ``optimizer`` when launched inside the fused op's autograd Function
+    (``LinearCPOFunction``, forward and backward: its cuBLAS GEMMs too) or an ``Optimizer.step`` (``scopes``: the
+    names of the CPU ops around the launch), else by the kernel's name; anything unmatched is ``elementwise``
+    (norms, RoPE, SiLU, adds, casts, reductions, Inductor's fused pointwise kernels)."""
+    if any("LinearCPOFunction" in s for s in scopes):
+        return "head"
+    if any(s.startswith("Optimizer.") for s in scopes):
+        return "optimizer"
+    lower = name.lower()
+    for cls, keys in KERNEL_CLASSES:
+        if any(key in lower for key in keys):
+            return cls
+    return "elementwise"
+
+
+def step_breakdown(prof, step_ms: float) -> dict[str, float]:
+    """Milliseconds of one profiled step per kernel class, and ``idle`` = step time less the GPU's busy time (the
+    kernels' summed durations: one stream). Kernels are found on the CPU ops that launched them (``.kernels``)."""
+    parts = dict.fromkeys(STEP_PARTS, 0.0)
+    for event in prof.events():
+        for kernel in getattr(event, "kernels", ()) or ():
+            if kernel.name == event.name or kernel.name.startswith(("Optimizer.", "ProfilerStep")):
+                continue  # a range annotation mirrored on the GPU's timeline, not a kernel: its kernels count apart
+            scopes, parent = [], event
+            while parent is not None:
+                scopes.append(parent.name)
+                parent = parent.cpu_parent
+            parts[kernel_class(kernel.name, scopes)] += kernel.duration / 1e3
+    busy = sum(v for k, v in parts.items() if k != "idle")
+    parts["idle"] = max(step_ms - busy, 0.0)
+    parts["busy"] = busy
+    return parts

@@ -48,6 +48,7 @@ measured runs of a model, each trainer runs 2 untimed steps once (``--no-process
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
 import sys
@@ -67,11 +68,38 @@ OPTIONS = ("liger", "compile", "compile-regional", "padfree", "prefix", "sdpa")
 LAYOUTS = {"padfree": "padding_free", "prefix": "prefix_shared"}  # option -> FusedCPOConfig.batch_layout
 
 
+VALUED = ("act", "attn")  # +act=<activation_policy> (fused), +attn=<attn_implementation>: any value, passed through
+
+
+def valued_option(options: frozenset[str], key: str) -> str | None:
+    """The value of ``+key=value`` among ``options``, or None."""
+    return next((o.split("=", 1)[1] for o in options if o.startswith(key + "=")), None)
+
+
 def parse_variant(variant: str) -> tuple[str, frozenset[str]]:
     """``"fused+liger+compile"`` -> ``("fused", {"liger", "compile"})``; ValueError for anything else."""
     base, *options = variant.split("+")
-    if base not in TRAINERS or not set(options) <= set(OPTIONS) or len(set(options)) < len(options):
-        raise ValueError(f"variant {variant!r}: one of {TRAINERS}, then any of {['+' + o for o in OPTIONS]}")
+    plain = [o for o in options if "=" not in o]
+    valued = [o.split("=", 1) for o in options if "=" in o]
+    keys = [k for k, _ in valued]
+    if (
+        base not in TRAINERS
+        or not set(plain) <= set(OPTIONS)
+        or len(set(options)) < len(options)
+        or not set(keys) <= set(VALUED)
+        or len(set(keys)) < len(keys)
+        or any(not v for _, v in valued)
+    ):
+        raise ValueError(
+            f"variant {variant!r}: one of {TRAINERS}, then any of {['+' + o for o in OPTIONS]} and "
+            "+act=<none|full|auto|offload|k>, +attn=<attn_implementation>"
+        )
+    if "act" in keys:
+        from trl_fused_cpo.activations import check_policy
+
+        check_policy(valued_option(frozenset(options), "act"))
+        if base == "stock":
+            raise ValueError(f"variant {variant!r}: +act= is FusedCPOConfig's activation_policy, a fused option")
     if {"compile", "compile-regional"} <= set(options):
         raise ValueError(f"variant {variant!r}: +compile or +compile-regional, not both")
     if len(set(LAYOUTS) & set(options)) > 1 or (base == "stock" and set(LAYOUTS) & set(options)):
@@ -105,6 +133,11 @@ class CountingCollator:
         # padded = the [2B, T] positions the model actually runs (CPOTrainer pads chosen and rejected to one T);
         # padding_free / prefix_shared = the positions of the same pairs packed (before flex's 128-block tail)
         counts = {"pairs": pairs, "labelled": labelled, "nonpad": nonpad, "padded": 2 * pairs * seq}
+        # each pair once: P + C + R unique positions, and the attention's visible pairs (P+C)² + (P+R)² - P²
+        p = batch["prompt_attention_mask"].sum(1)
+        c, r = batch["chosen_attention_mask"].sum(1), batch["rejected_attention_mask"].sum(1)
+        counts["unique"] = int((c + r - p).sum())
+        counts["attn_sq"] = int((c * c + r * r - p * p).sum())
         for layout in ("padding_free", "prefix_shared"):
             counts[layout] = pack_pairs(batch, layout, pad_token_id=self.pad_token_id).num_tokens
         self.batches.append(counts)
@@ -230,7 +263,12 @@ def make_config(
     from trl_fused_cpo import FusedCPOConfig
 
     layout = next((LAYOUTS[o] for o in options if o in LAYOUTS), None)
-    config_cls, extra = (FusedCPOConfig, {"batch_layout": layout}) if layout else (CPOConfig, {})
+    policy = valued_option(options, "act")
+    config_cls, extra = (FusedCPOConfig, {"batch_layout": layout or "padded"}) if layout or policy else (CPOConfig, {})
+    if policy:  # FusedCPOConfig's activation_policy decides (auto: from the memory)
+        extra["activation_policy"] = policy
+    elif config_cls is FusedCPOConfig:  # TRL's blanket checkpointing, as the variant meant before +act= existed
+        extra["gradient_checkpointing"] = True
     return config_cls(
         **extra,
         output_dir=output_dir,
@@ -279,6 +317,9 @@ def run_one(
         "trainer": kind,
         "options": sorted(options),
         "micro_batch": micro_batch,
+        "gpu": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "lengths": args.lengths,
+        "cublas_bf16_tflops": getattr(args, "cublas_bf16_tflops", None),
         "max_steps": max_steps,
         "warmup_steps": warmup,
         "ok": False,
@@ -303,6 +344,7 @@ def run_one(
     with tempfile.TemporaryDirectory(prefix="bench_e2e_") as tmp, variant_scope(options):
         try:
             model = build_model(model_name, device, args.seed, attn_implementation=attention_for(options, cuda))
+            rec["flops_model"] = flops_model(model_name, model)
             t_model = time.perf_counter()
             config = make_config(
                 tmp,
@@ -326,6 +368,8 @@ def run_one(
                 trainer.remove_callback(cb)
             if base == "fused":
                 rec["fused_active"] = bool(getattr(trainer, "use_fused_loss", False))
+                plan = getattr(trainer, "activation_plan", None)
+                rec["activation_plan"] = dataclasses.asdict(plan) if plan is not None else None
             if "liger" in options:
                 rec["liger_kernel_config"] = trainer.args.liger_kernel_config
             t_init = time.perf_counter()
@@ -364,6 +408,7 @@ def run_one(
         if timer.peaks_gib:
             timer.peaks_gib.pop()
         rec["profile_top"] = profiler.kernels
+        rec["step_breakdown_ms"] = bc.step_breakdown(profiler.prof, rec["profiled_step_s"] * 1e3)
     rec["step_times_s"] = timer.times
     rec["batches"] = collator.batches[: len(timer.times)]
     if cuda:
@@ -373,9 +418,24 @@ def run_one(
     return rec
 
 
+def flops_model(model_name: str, model) -> dict:
+    """What ``bench_common.unique_token_flops`` needs of the model (read before LoRA wraps it)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return {
+        "n_nonembed": bc.non_embedding_params(model),
+        "layers": config.num_hidden_layers,
+        "hidden": config.hidden_size,
+        "vocab": config.vocab_size,
+        "frozen": MODELS[model_name]["lora"] is not None,
+    }
+
+
 def attention_for(options: frozenset[str], cuda: bool) -> str | None:
     """A packed row on the GPU gets flex_attention's BlockMask, or with ``+sdpa`` the dense ``[N, N]`` mask through
-    sdpa (the comparison that says which GPU path wins); padded rows and CPU runs keep transformers' default."""
+    sdpa (the comparison that says which GPU path wins); padded rows and CPU runs keep transformers' default.
+    ``+attn=<name>`` names any registered implementation (e.g. a varlen kernel) and wins."""
+    if valued_option(options, "attn"):
+        return valued_option(options, "attn")
     if "sdpa" in options:
         return "sdpa"
     return "flex_attention" if cuda and set(LAYOUTS) & options else None
@@ -437,6 +497,18 @@ def summarize(rec: dict) -> None:
     for key in ("padded", "padding_free", "prefix_shared"):  # the backbone's work per pair in each layout
         rec[f"{key}_positions_per_pair"] = sum(batches[i][key] for i in timed) / sum(batches[i]["pairs"] for i in timed)
     rec["labelled_per_step"] = statistics.mean(batches[i]["labelled"] for i in timed)
+    if rec.get("flops_model"):  # DESIGN's unique-token MFU: each pair once, no recompute, over the dense bf16 peak
+        flops = sum(
+            bc.unique_token_flops(
+                **rec["flops_model"],
+                unique=batches[i]["unique"],
+                attn_sq=batches[i]["attn_sq"],
+                labelled=batches[i]["labelled"],
+            )
+            for i in timed
+        )
+        rec["unique_token_tflops"] = flops / total_t / 1e12
+        rec["unique_token_mfu"] = flops / total_t / bc.DENSE_BF16_PEAK
 
 
 # ------------------------------------------------------------------------------------------------ max micro-batch
@@ -452,7 +524,11 @@ def find_max_batch(model_name: str, kind: str, args, device: torch.device) -> di
     probes: list[dict] = []
     cache: dict[int, bool] = {}
     probe_rows = rows_for(
-        model_name, args.max_batch_cap * args.probe_steps, args.seed + 1, worst_case=args.max_batch_rows == "worst"
+        model_name,
+        args.max_batch_cap * args.probe_steps,
+        args.seed + 1,
+        worst_case=args.max_batch_rows == "worst",
+        profile=args.lengths,
     )
 
     def fits(mb: int) -> bool:
@@ -731,7 +807,13 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps per run")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--max-length", type=int, default=1024)
+    p.add_argument("--max-length", type=int, default=None, help="default: the length profile's (1024; capybara 2048)")
+    p.add_argument(
+        "--lengths",
+        choices=tuple(bc.LENGTH_PROFILES),
+        default="synthetic",
+        help="length profile of the pairs (bench_common.LENGTH_PROFILES: approximate shapes of real sets)",
+    )
     p.add_argument("--curve-steps", type=int, default=0, help="also run N steps per trainer for loss_curves.png")
     p.add_argument("--curve-micro-batch", type=int, default=None, help="micro-batch of the curve runs (first of list)")
     p.add_argument("--find-max-batch", action="store_true", help="search each trainer's largest micro-batch (CUDA)")
@@ -761,6 +843,8 @@ def parse_args(argv):
     p.add_argument("--out", default="outputs/bench_e2e")
     p.add_argument("--no-plots", dest="plots", action="store_false", help="results.json only (fewer files to carry)")
     args = p.parse_args(argv)
+    if args.max_length is None:
+        args.max_length = bc.LENGTH_PROFILES[args.lengths]["max_length"]
     args.models = [m.strip() for m in args.model.split(",") if m.strip()]
     args.micro_batch_list = [int(x) for x in args.micro_batches.split(",") if x.strip()]
     args.trainer_list = [t.strip() for t in args.trainers.split(",") if t.strip()]
@@ -800,6 +884,8 @@ def main(argv=None) -> int:
         x = torch.randn(1024, 1024, device=device, dtype=torch.bfloat16)
         (x @ x).float().sum().item()
         del x
+    args.cublas_bf16_tflops = bc.cublas_bf16_tflops(device)  # the plain GEMM's rate, beside every run's MFU
+    if _cuda(device):
         torch.cuda.empty_cache()
 
     out = Path(args.out)
@@ -814,6 +900,12 @@ def main(argv=None) -> int:
             "nonpad_tok_s": "all non-pad tokens of chosen + rejected (prompt twice) / timed seconds ('all tok/s')",
             "padded_tok_s": "2 x pairs x padded length: the [2B, T] positions the model runs / timed seconds",
             "peak_gib": "torch.cuda.max_memory_allocated over the run (reset before model build) / 2**30",
+            "unique_token_mfu": "each pair once (P + C + R positions): backbone K*N_nonembed a position (K = 6 full, "
+            "4 frozen base), causal attention 6*L*d*((P+C)^2 + (P+R)^2 - P^2) a pair, head K*V*H a labelled token, "
+            "no recompute counted; / timed seconds / 989e12 (dense bf16 peak, H100 SXM and H200)",
+            "cublas_bf16_tflops": "8192^3 bf16 matmul in this process (do_bench median): the card's plain-GEMM rate",
+            "step_breakdown_ms": "the profiled step's GPU kernels by class (bench_common.kernel_class); idle = the "
+            "step's wall time (profiler overhead included) less the kernels' summed time",
         },
         "process_warmup": [],
         "runs": [],
@@ -826,7 +918,7 @@ def main(argv=None) -> int:
     profiled = int(args.profile)  # one more step, under the profiler, after the timed ones
     for model in args.models:
         n_rows = max(args.micro_batch_list, default=0) * (steps_total + profiled)
-        rows = rows_for(model, n_rows, args.seed)
+        rows = rows_for(model, n_rows, args.seed, profile=args.lengths)
         if args.process_warmup and args.micro_batch_list:  # (--micro-batches "" runs only the curve / max search)
             # One-time costs (CUDA/cuBLAS/SDPA first calls, Triton JIT of the fused kernels, lazy imports) stay out of
             # the first measured run: 2 untimed steps of each trainer at the smallest micro-batch, results discarded.
@@ -858,7 +950,7 @@ def main(argv=None) -> int:
 
         if args.curve_steps > 0:
             cmb = args.curve_micro_batch or (args.micro_batch_list or [2])[0]
-            crow = rows_for(model, cmb * args.curve_steps, args.seed + 2)
+            crow = rows_for(model, cmb * args.curve_steps, args.seed + 2, profile=args.lengths)
             for kind in args.trainer_list:
                 rec = run_one(model, kind, cmb, args.curve_steps, 0, crow, args, device, tag="curve")
                 results["curves"].append(rec)
@@ -874,7 +966,7 @@ def main(argv=None) -> int:
                 res = find_max_batch(model, kind, args, device)
                 if res["max_micro_batch"] > 0:
                     mb = res["max_micro_batch"]
-                    mrows = rows_for(model, mb * steps_total, args.seed)
+                    mrows = rows_for(model, mb * steps_total, args.seed, profile=args.lengths)
                     rec = run_one(model, kind, mb, steps_total, args.warmup, mrows, args, device, tag="max")
                     res["run"] = rec
                     results["runs"].append(rec)

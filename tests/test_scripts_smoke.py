@@ -43,6 +43,12 @@ def test_benchmark_e2e_toy(tmp_path):
     for run in results["runs"]:  # --profile: one more step, profiled, not timed
         assert len(run["step_times_s"]) == 2 and run["timed_steps"] == 1 and run["profiled_step_s"] > 0
         assert any(e["name"] == "aten::mm" for e in run["profile_top"])
+        # the distance to the limit: MFU over the unique tokens, the run's context, the profiled step by class
+        assert 0 < run["unique_token_mfu"] < 1 and run["model"] == "toy" and run["micro_batch"] == 2
+        assert run["gpu"] == "cpu" and run["lengths"] == "synthetic" and "cublas_bf16_tflops" in run
+        assert set(run["step_breakdown_ms"]) >= {"gemm", "attention", "elementwise", "head", "optimizer", "idle"}
+        batch = run["batches"][0]
+        assert batch["unique"] + batch["pairs"] == batch["prefix_shared"]  # the packed row repeats one prompt token
     assert results["comparisons"] and results["comparisons"][0]["same_batches"]
 
 
@@ -67,9 +73,30 @@ def test_benchmark_e2e_variants_toy(tmp_path):
         assert code == 1 and not runs["fused+liger"]["ok"] and runs["fused+liger"]["error"]
 
 
+@pytest.mark.slow
+def test_benchmark_e2e_activation_and_attention_variants_toy(tmp_path):
+    """+act= reaches FusedCPOConfig's activation_policy (a layout variant without it keeps TRL's blanket
+    checkpointing), +attn= names the attention implementation; each trains to stock's loss."""
+    variants = "stock,fused+prefix,fused+prefix+act=none,fused+act=1,fused+padfree+attn=eager"
+    argv = ["--model", "toy", "--micro-batches", "2", "--steps", "1", "--warmup", "1", "--variants", variants]
+    code = load_script("benchmark_e2e").main([*argv, "--no-process-warmup", "--no-plots", "--out", str(tmp_path)])
+    assert code == 0
+    runs = {r["trainer"]: r for r in json.loads((tmp_path / "results.json").read_text())["runs"]}
+    assert runs["fused+prefix"]["activation_plan"]["delegate"]
+    assert runs["fused+prefix+act=none"]["activation_plan"] == {
+        "checkpointed": 0, "offload": False, "delegate": False, "reason": "activation_policy=none"
+    }  # fmt: skip
+    assert runs["fused+act=1"]["activation_plan"]["checkpointed"] == 1
+    assert runs["fused+act=1"]["options"] == ["act=1"] and runs["fused+padfree+attn=eager"]["ok"]
+    losses = {kind: run["losses"][0] for kind, run in runs.items()}
+    assert all(loss == pytest.approx(losses["stock"], rel=1e-4) for loss in losses.values()), losses
+
+
 def test_benchmark_e2e_refuses_unknown_variants():
     main = load_script("benchmark_e2e").main
-    for bad in ("fused+turbo", "liger", "fused+compile+compile-regional", "fused+liger+liger", "fused+sdpa"):
+    bad_variants = ("fused+turbo", "liger", "fused+compile+compile-regional", "fused+liger+liger", "fused+sdpa")
+    bad_variants += ("fused+act=some", "stock+act=none", "fused+act=", "fused+act=1+act=2", "fused+speed=2")
+    for bad in bad_variants:
         with pytest.raises(SystemExit):
             main(["--model", "toy", "--variants", bad])
 
