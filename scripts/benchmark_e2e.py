@@ -26,7 +26,13 @@ never leaks into the next; results.json is rewritten after every run, so a call 
 ``fused+padfree`` and ``fused+prefix`` run the packed batch layouts (``batch_layout`` ``padding_free`` /
 ``prefix_shared``) with flex_attention's BlockMask on the GPU; ``+sdpa`` gives them the dense mask through sdpa
 instead (which GPU path wins). ``dynamo_graphs`` in results.json counts the graphs each run compiled; ``--profile``
-adds one untimed step per run under torch.profiler and keeps its top kernels (``profile_top``).
+adds one untimed step per run under torch.profiler and keeps its top kernels (``profile_top``) and the step by kernel
+class (``step_breakdown_ms``: GEMM, attention, elementwise, head, optimizer, copy, idle). ``+act=<policy>`` sets
+FusedCPOConfig's ``activation_policy`` (``none``, ``full``, ``auto``, ``offload`` or a number of layers; a fused
+variant without it keeps TRL's blanket checkpointing, as before the knob existed) and ``+attn=<name>`` any
+``attn_implementation`` (e.g. ``fused+prefix+act=none+attn=fused_cpo_varlen``). Every run records
+``unique_token_mfu`` (each pair's unique tokens once, no recompute counted, over 989 TFLOP/s) beside the 8192³ cuBLAS
+rate of the same process; ``--lengths ultrafeedback|capybara`` draws approximate lengths of those sets.
 
 Data (``bench_common.py``, shared with ``make_random_checkpoint.py``). ``CPOTrainer.__init__`` always runs ``tokenize_row`` over the text columns (there is no pre-tokenized input
 path), so the text is made to tokenize to known ids: an in-process ``tokenizers`` WordLevel tokenizer over the 128,256
@@ -801,7 +807,8 @@ def parse_args(argv):
         "--variants",
         dest="trainers",
         default="stock,fused",
-        help="comma list of stock, fused, each optionally +liger, +compile or +compile-regional (fused+liger+compile)",
+        help="comma list of stock, fused, each optionally +liger, +compile or +compile-regional (fused+liger+compile); "
+        "fused also +padfree, +prefix, +sdpa, +act=<activation_policy>, and either +attn=<attn_implementation>",
     )
     p.add_argument("--steps", type=int, default=6, help="timed steps per run (after --warmup)")
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps per run")
