@@ -808,7 +808,7 @@ def parse_args(argv):
         dest="trainers",
         default="stock,fused",
         help="comma list of stock, fused, each optionally +liger, +compile or +compile-regional (fused+liger+compile); "
-        "fused also +padfree, +prefix, +sdpa, +act=<activation_policy>, and either +attn=<attn_implementation>",
+        "fused also +padfree, +prefix, +sdpa, +act=<activation_policy>; either trainer +attn=<attn_implementation>",
     )
     p.add_argument("--steps", type=int, default=6, help="timed steps per run (after --warmup)")
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps per run")
