@@ -169,3 +169,23 @@ def test_the_choice_is_logged_and_cpu_keeps_gradient_checkpointing(tmp_path, cap
     with caplog.at_level(logging.INFO, logger="trl_fused_cpo.trainer"):
         make_trainer(FusedCPOTrainer, tmp_path, config_cls=FusedCPOConfig, activation_policy="1")
     assert "the first 1 of 2 layers checkpointed; activation_policy=1." in caplog.text
+
+
+@pytest.mark.parametrize("layout", ["padded", "padding_free", "prefix_shared"])
+def test_auto_sizes_the_longest_micro_batch_the_data_can_give(tmp_path, layout):
+    """From the tokenized columns' lengths: exactly the B longest pairs as the collator packs them (+ flex's tail),
+    or 2·B·the longest sequence padded; never more than 2·B·max_length."""
+    from trl_fused_cpo.activations import largest_batch_positions
+    from trl_fused_cpo.collator import PACKED_KEY
+
+    trainer = make_trainer(FusedCPOTrainer, tmp_path, config_cls=FusedCPOConfig, batch_layout=layout)
+    rows = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
+    got = largest_batch_positions(trainer.train_dataset, 4, layout)
+    if layout == "padded":
+        longest = max(max(len(r["chosen_input_ids"]), len(r["rejected_input_ids"])) for r in rows)
+        assert got == 2 * 4 * longest
+    else:
+        per_pair = sorted(trainer.data_collator([r])[PACKED_KEY].num_tokens for r in rows)
+        assert got == sum(per_pair[-4:]) + 128
+    assert got <= 2 * 4 * trainer.max_length + 128
+    assert largest_batch_positions([{"prompt": "no columns"}], 4, layout) is None

@@ -225,11 +225,43 @@ def install_plan(model: nn.Module, args, plan: ActivationPlan) -> None:
             setattr(args, name, False)
 
 
-def plan_for_training(model: nn.Module, args, *, max_length: int, sharded: bool, memory=None) -> ActivationPlan:
+def largest_batch_positions(dataset, batch_size: int, layout: str) -> int | None:
+    """Positions of the longest micro-batch of ``batch_size`` rows that TRL's tokenized ``dataset`` can give, or None
+    without its ``*_input_ids`` columns (a streaming dataset). ``padded``: ``2·B·`` the longest sequence; packed: the
+    ``B`` longest pairs, ``chosen + rejected`` (less ``prompt - 1`` shared positions with ``prefix_shared``: TRL's
+    rows repeat the prompt, unlabelled, so the shared prefix is the prompt) and flex_attention's 128-position tail."""
+    import numpy as np
+
+    try:
+        table = dataset.data
+        length = {k: _list_lengths(table.column(f"{k}_input_ids")) for k in ("prompt", "chosen", "rejected")}
+    except (AttributeError, KeyError, TypeError, ValueError):  # not an Arrow-backed dataset with TRL's columns
+        return None
+    if not len(length["chosen"]):
+        return None
+    if layout == "padded":
+        return 2 * batch_size * int(max(length["chosen"].max(), length["rejected"].max()))
+    shared = np.maximum(length["prompt"] - 1, 0) if layout == "prefix_shared" else 0
+    per_pair = np.sort(length["chosen"] + length["rejected"] - shared)
+    return int(per_pair[-batch_size:].sum()) + 128
+
+
+def _list_lengths(column):
+    """Lengths of an Arrow list column, read from its offsets (no row is materialized)."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    return np.asarray(pc.list_value_length(column).to_numpy(), dtype=np.int64)
+
+
+def plan_for_training(
+    model: nn.Module, args, *, max_length: int, sharded: bool, memory=None, dataset=None
+) -> ActivationPlan:
     """The plan for a trainer's ``model`` and config ``args``: the largest micro-batch is ``2 · batch · max_length``
-    positions in every layout (a packed pair ``[prompt | chosen | rejected]`` reaches ``2·max_length - prompt``).
-    ``memory``: ``(free, total)`` bytes, read from the model's CUDA device when None; ignored when ``sharded``
-    (FSDP / ZeRO-3 shard the state that the budget counts whole)."""
+    positions in every layout (a packed pair ``[prompt | chosen | rejected]`` reaches ``2·max_length - prompt``), or
+    fewer where the tokenized training ``dataset`` says so (``largest_batch_positions``). ``memory``: ``(free,
+    total)`` bytes, read from the model's CUDA device when None; ignored when ``sharded`` (FSDP / ZeRO-3 shard the
+    state that the budget counts whole)."""
     policy = check_policy(getattr(args, "activation_policy", "auto"))
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
@@ -237,7 +269,11 @@ def plan_for_training(model: nn.Module, args, *, max_length: int, sharded: bool,
     if memory is None and device.type == "cuda" and not sharded:
         memory = torch.cuda.mem_get_info(device)
     half = getattr(args, "bf16", False) or getattr(args, "fp16", False) or lm.dtype in (torch.bfloat16, torch.float16)
-    positions = 2 * args.per_device_train_batch_size * max_length
+    batch = args.per_device_train_batch_size
+    positions = 2 * batch * max_length
+    if dataset is not None and policy == "auto" and memory is not None and not sharded:  # only auto reads it
+        longest = largest_batch_positions(dataset, batch, getattr(args, "batch_layout", "padded"))
+        positions = min(positions, longest or positions)
     estimate = estimate_for(config, positions=positions, dtype_bytes=2 if half else 4)
     chunk = getattr(args, "fused_chunk_bytes", None) or DEFAULT_CHUNK_BYTES_TRAINABLE
     head = 2 * chunk + positions * config.hidden_size * 4  # a logits chunk and its gradient, the fp32 dHidden

@@ -78,8 +78,9 @@ class FusedCPOConfig(CPOConfig):
             "help": "Which decoder layers recompute their forward in the backward (all exact: the same gradients): "
             "'none' (keep every activation), 'full' (every layer, TRL's gradient_checkpointing), a number k (the "
             "first k layers), 'offload' (every layer, the saved layer inputs in pinned host memory) or 'auto' (on "
-            "CUDA: none when the estimated activations of a 2 x batch x max_length micro-batch fit 85 percent of the card "
-            "after weights and optimizer state, else the fewest layers that fit, else offload; elsewhere, and "
+            "CUDA: none when the estimated activations of the largest micro-batch (the training set's longest "
+            "pairs, at most 2 x batch x max_length positions) fit 85 percent of the card after weights and optimizer "
+            "state, else the fewest layers that fit, else offload; elsewhere, and "
             "whenever gradient_checkpointing is set explicitly, gradient_checkpointing decides). A named policy or "
             "a number wins over gradient_checkpointing. One logged line says what was chosen and why.",
         },

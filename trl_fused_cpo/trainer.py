@@ -161,7 +161,9 @@ class FusedCPOTrainer(CPOTrainer):
         device and before the optimizer state exists; ``Trainer.train`` then finds gradient_checkpointing off unless
         the plan leaves it to transformers."""
         sharded = bool(getattr(self, "is_fsdp_enabled", False) or getattr(self, "is_deepspeed_enabled", False))
-        self.activation_plan = plan_for_training(self.model, self.args, max_length=self.max_length, sharded=sharded)
+        self.activation_plan = plan_for_training(
+            self.model, self.args, max_length=self.max_length, sharded=sharded, dataset=self.train_dataset
+        )
         install_plan(self.model, self.args, self.activation_plan)
         logger.info(plan_line(self.activation_plan, len(decoder_layers(self.model))))
 
