@@ -260,7 +260,7 @@ def plan_for_training(
     """The plan for a trainer's ``model`` and config ``args``: the largest micro-batch is ``2 · batch · max_length``
     positions in every layout (a packed pair ``[prompt | chosen | rejected]`` reaches ``2·max_length - prompt``), or
     fewer where the tokenized training ``dataset`` says so (``largest_batch_positions``). ``memory``: ``(free,
-    total)`` bytes, read from the model's CUDA device when None; ignored when ``sharded`` (FSDP / ZeRO-3 shard the
+    total)`` bytes, read from the model's CUDA device when None; ignored when ``sharded`` (FSDP / DeepSpeed shard the
     state that the budget counts whole)."""
     policy = check_policy(getattr(args, "activation_policy", "auto"))
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
