@@ -119,7 +119,7 @@ for what in "${steps[@]}"; do
           for mb in ${QLORA_MICRO_BATCHES:-2 4}; do
             echo "[70B-width, $layers layers, $layout, micro-batch $mb]" | tee -a "$OUT/qlora_70b.txt"
             timeout 200 accelerate launch --config_file configs/single_gpu.yaml scripts/train_cpo.py \
-              --config recipes/llama3_1/70B_qlora_cpo.yaml --model_name_or_path /tmp/l70 \
+              --config recipes/llama3_1/70B_qlora_cpo_single_device.yaml --model_name_or_path /tmp/l70 \
               --dataset_name /tmp/l70/preferences.jsonl --max_steps 2 --logging_steps 1 --save_strategy no \
               --per_device_train_batch_size $mb --gradient_accumulation_steps 1 --batch_layout $layout \
               --attn_implementation $attn --output_dir /tmp/run70 2>&1 | grep -E "Peak GPU|Error|error:|'loss'" \

@@ -30,8 +30,8 @@ EXPECTED_RECIPES = {
     "recipes/llama3/8B_lora_cpo_single_device.yaml",
     "recipes/llama3/8B_full_cpo_fsdp2.yaml",
     "recipes/llama3/8B_full_cpo_zero3.yaml",
-    "recipes/llama3_1/70B_qlora_cpo.yaml",
-    "recipes/llama3/8B_lora_simpo.yaml",
+    "recipes/llama3_1/70B_qlora_cpo_single_device.yaml",
+    "recipes/llama3/8B_lora_simpo_single_device.yaml",
 }
 EXPECTED_CONFIGS = {
     "configs/single_gpu.yaml",
@@ -105,9 +105,9 @@ def test_real_recipes_point_at_hub_models_and_public_data():
 
 
 def test_method_recipes_say_what_their_name_says():
-    _, simpo, simpo_model = parse("recipes/llama3/8B_lora_simpo.yaml")
+    _, simpo, simpo_model = parse("recipes/llama3/8B_lora_simpo_single_device.yaml")
     assert simpo.loss_type == "simpo" and simpo.cpo_alpha == 0.0 and simpo_model.use_peft
-    _, qlora, qlora_model = parse("recipes/llama3_1/70B_qlora_cpo.yaml")
+    _, qlora, qlora_model = parse("recipes/llama3_1/70B_qlora_cpo_single_device.yaml")
     assert qlora_model.load_in_4bit and qlora_model.use_peft and qlora_model.lora_target_modules == "all-linear"
     for recipe in RECIPES:
         _, args, model_args = parse(recipe)
@@ -122,8 +122,8 @@ PACKED_RECIPES = {
     "recipes/llama3_2/1B_full_cpo_single_device.yaml",
     "recipes/llama3_2/3B_lora_cpo_single_device.yaml",
     "recipes/llama3/8B_lora_cpo_single_device.yaml",
-    "recipes/llama3/8B_lora_simpo.yaml",
-    "recipes/llama3_1/70B_qlora_cpo.yaml",
+    "recipes/llama3/8B_lora_simpo_single_device.yaml",
+    "recipes/llama3_1/70B_qlora_cpo_single_device.yaml",
 }
 
 
@@ -365,11 +365,11 @@ def test_toy_model_loads_and_ties_on_request():
 def test_quantized_base_needs_lora_and_bitsandbytes():
     import importlib.util
 
-    script_args, args, model_args = parse("recipes/llama3_1/70B_qlora_cpo.yaml", "--use_peft", "false")
+    script_args, args, model_args = parse("recipes/llama3_1/70B_qlora_cpo_single_device.yaml", "--use_peft", "false")
     with pytest.raises(ValueError, match="set use_peft: true"):
         load_model_and_tokenizer(script_args, args, model_args)
     if importlib.util.find_spec("bitsandbytes") is None:
-        script_args, args, model_args = parse("recipes/llama3_1/70B_qlora_cpo.yaml")
+        script_args, args, model_args = parse("recipes/llama3_1/70B_qlora_cpo_single_device.yaml")
         with pytest.raises(ImportError, match=r"need bitsandbytes.*trl_fused_cpo\[qlora\]"):
             load_model_and_tokenizer(script_args, args, model_args)
 
