@@ -88,10 +88,27 @@ def test_recipe_header_names_its_launch_command(recipe):
     assert header.startswith("# "), "a recipe opens with a comment header"
     assert f"--config {recipe}" in header, "the header gives the exact launch command with this file"
     assert "Override" in header and "Sized for" in header
+    # Measurements live in the results index, under a heading per recipe; a header keeps no dated run.
+    assert not re.search(r"\b20\d\d-\d\d-\d\d\b|Measured", header), f"{recipe}: move the measurement to docs/results"
     if not recipe.startswith("recipes/dev/"):
         assert "accelerate launch --config_file configs/" in header
         launch_config = header.split("--config_file ", 1)[1].split()[0]
         assert launch_config in CONFIGS, f"{recipe} launches with {launch_config}, which is not in configs/"
+
+
+RECIPE_NAME = re.compile(r"recipes/[a-z0-9_]+/\d+B_(full|lora|qlora)_(cpo|simpo)_(single_device|fsdp2|zero3)\.yaml")
+
+
+def test_recipe_names_follow_one_pattern():
+    """``<family>/<size>_<full|lora|qlora>_<cpo|simpo>_<topology>.yaml``, as torchtune names its configs."""
+    odd = [r for r in RECIPES if not r.startswith("recipes/dev/") and not RECIPE_NAME.fullmatch(r)]
+    assert not odd, f"recipes outside the naming pattern: {odd}"
+
+
+def test_recipe_measurements_are_in_the_results_index():
+    headings = set((ROOT / "docs/results/README.md").read_text().splitlines())
+    missing = [recipe for recipe in RECIPES if f"### `{recipe}`" not in headings]
+    assert not missing, f"recipes without a heading in docs/results/README.md, 'Recipes': {missing}"
 
 
 def test_real_recipes_point_at_hub_models_and_public_data():
