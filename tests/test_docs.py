@@ -269,3 +269,27 @@ def test_the_rules_catch_drift_and_pass_what_they_should(tmp_path):
         "docs/drift.md:6: `results/nope.png` is not in the repository",
         "docs/drift.md:7: `configs/{fsdp2,nope}.yaml` is not in the repository",
     ]
+
+
+def test_fused_config_parameters_docstring_names_every_field():
+    """TRL's configs document each field in a ``Parameters:`` section: its type, its default, what it does."""
+    from dataclasses import MISSING, fields
+
+    from trl.experimental.cpo import CPOConfig
+
+    from trl_fused_cpo.config import FusedCPOConfig
+
+    assert "\n    Parameters:\n" in FusedCPOConfig.__doc__, "FusedCPOConfig's docstring has no 'Parameters:' section"
+    doc = FusedCPOConfig.__doc__.split("Parameters:", 1)[1]
+    upstream = {f.name for f in fields(CPOConfig)}
+    problems = []
+    for f in fields(FusedCPOConfig):
+        if f.name in upstream:
+            continue
+        entry = re.search(rf"^\s+{f.name} \(`[^)]*`, \*optional\*, defaults to `([^`]*)`\):$", doc, re.M)
+        default = None if f.default is MISSING else f.default
+        if entry is None:
+            problems.append(f"{f.name}: no '{f.name} (`type`, *optional*, defaults to `...`):' entry")
+        elif entry.group(1) != (f'"{default}"' if isinstance(default, str) else repr(default)):
+            problems.append(f"{f.name}: documented default `{entry.group(1)}`, field default {default!r}")
+    assert not problems, "FusedCPOConfig's Parameters docstring:\n" + "\n".join(problems)

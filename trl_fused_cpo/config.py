@@ -26,7 +26,36 @@ def _mib(n: int) -> str:
 
 @dataclass
 class FusedCPOConfig(CPOConfig):
-    """``CPOConfig`` plus the knobs of the fused loss. A plain ``CPOConfig`` works too: these are its defaults."""
+    r"""``CPOConfig`` plus the knobs of the fused loss. A plain ``CPOConfig`` works too: these are its defaults.
+
+    Every field is also a recipe key and a ``--flag`` of the launcher (``trl-fused-cpo --help`` prints each with its
+    help text); values are checked when the config is built, each refusal naming the field and the fix.
+
+    Parameters:
+        use_fused_loss (`bool`, *optional*, defaults to `True`):
+            Compute the CPO loss with the fused linear-CPO op, from the final hidden states and the `lm_head`
+            weight, without the `[2B, T, V]` logits. `False` runs TRL's stock loss (for A/B runs); it needs
+            `batch_layout="padded"`.
+        fused_backend (`str`, *optional*, defaults to `"auto"`):
+            Which implementation of the op runs: `"triton"` (the CUDA kernels), `"torch"` (chunked torch ops, any
+            device; the spec of the kernels) or `"auto"` (triton on CUDA, torch elsewhere and for float64).
+        fused_chunk_bytes (`int` or `None`, *optional*, defaults to `None`):
+            Bytes of the one `[tokens, vocab]` logits buffer alive at a time. `None` picks the op's default for the
+            call: 1.5 GiB with a trainable head, 384 MiB with a frozen one, 1 GiB in eval. Lower means less memory,
+            far lower slower GEMMs. Under `fused_memory="lean"` (unless the head is frozen) it is the bytes of one
+            vocabulary slab's logits instead, `None` meaning 256 MiB.
+        fused_memory (`str`, *optional*, defaults to `"fast"`):
+            `"fast"`: three products per token, and an fp32 weight-gradient accumulator once a batch needs several
+            chunks (2 GiB at Llama-3 8B's head). `"lean"`: vocabulary slabs, the logits computed twice and no
+            accumulator, about 4/3 of the products. A frozen head always runs `"fast"`.
+        batch_layout (`str`, *optional*, defaults to `"padded"`):
+            How a micro-batch reaches the backbone: `"padded"` (TRL's: chosen and rejected padded to one length,
+            every prompt twice), `"padding_free"` (every sequence once, packed in one row) or `"prefix_shared"` (each
+            pair once as `[prompt | chosen | rejected]`, rejected never attending to chosen). The same losses,
+            log-probs, rewards and gradients in all three; a packed layout's `logits/chosen` and `logits/rejected`
+            average only the positions the sequences have. Packed layouts need `attn_implementation`
+            `"flex_attention"` (GPU) or `"sdpa"` / `"eager"` (a dense mask: CPU and tests).
+    """
 
     use_fused_loss: bool = field(
         default=True,
