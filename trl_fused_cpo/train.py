@@ -1,6 +1,6 @@
 """CPO training with FusedCPOTrainer from a flat YAML recipe: the launcher's ``main()`` and its command line.
 
-    # CPU demo (toy Llama-3, shipped data; see recipes/dev/tiny_cpo.yaml for the time it takes):
+    # CPU demo (toy Llama-3, shipped data; the time it takes: docs/results/README.md, "Recipes"):
     trl-fused-cpo --config recipes/dev/tiny_cpo.yaml
     python -m trl_fused_cpo.train --config recipes/dev/tiny_cpo.yaml        # the same
 
