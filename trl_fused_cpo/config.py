@@ -55,6 +55,13 @@ class FusedCPOConfig(CPOConfig):
             log-probs, rewards and gradients in all three; a packed layout's `logits/chosen` and `logits/rejected`
             average only the positions the sequences have. Packed layouts need `attn_implementation`
             `"flex_attention"` (GPU) or `"sdpa"` / `"eager"` (a dense mask: CPU and tests).
+        activation_policy (`str`, *optional*, defaults to `"auto"`):
+            Which decoder layers recompute their forward in the backward (the same gradients in every policy):
+            `"none"`, `"full"` (TRL's `gradient_checkpointing`, every layer), a number `k` (the first `k` layers),
+            `"offload"` (every layer, the saved layer inputs in pinned host memory) or `"auto"` (on CUDA, the fewest
+            checkpointed layers whose estimated activations fit the card, else `"offload"`; elsewhere, and whenever
+            `gradient_checkpointing` is set explicitly, `gradient_checkpointing` decides). `activations.py` holds
+            the policies and the estimate.
     """
 
     use_fused_loss: bool = field(
