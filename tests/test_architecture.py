@@ -1,10 +1,14 @@
-"""The package's shape, checked: imports point one way (no cycle, lazy imports included) and no function outgrows a
-screen (60 lines of code; Triton kernel bodies excepted: a kernel is one unit the compiler sees whole)."""
+"""The package's shape, checked: imports point one way (no cycle, lazy imports included), no function outgrows a
+screen (60 lines of code; Triton kernel bodies excepted: a kernel is one unit the compiler sees whole), and both
+backends export ``ops/backend.py``'s interface."""
 
 from __future__ import annotations
 
 import ast
+import inspect
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "trl_fused_cpo"
 MAX_FUNCTION_LINES = 60
@@ -119,3 +123,19 @@ def test_no_function_is_longer_than_a_screen():
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} ({lines} lines)")
     assert not long, "\n".join(long)
+
+
+def test_both_backends_export_the_interface_with_the_same_signatures():
+    """``ops/backend.py`` names the interface once; each backend module exports every name, with the torch spec's
+    signature (parameter names, order, defaults), and nothing else public that the schedules could start to use."""
+    pytest.importorskip("triton")
+    from trl_fused_cpo.ops import kernels, torch_backend
+    from trl_fused_cpo.ops.backend import BACKEND_FUNCTIONS
+
+    assert sorted(kernels.__all__) == sorted(BACKEND_FUNCTIONS)
+    for name in BACKEND_FUNCTIONS:
+        spec = inspect.signature(getattr(torch_backend, name))
+        assert inspect.signature(getattr(kernels, name)) == spec, f"kernels.{name} differs from torch_backend.{name}"
+    torch_public = {n for n, v in vars(torch_backend).items() if inspect.isfunction(v) and not n.startswith("_")}
+    own = {n for n in torch_public if getattr(torch_backend, n).__module__ == torch_backend.__name__}
+    assert own == set(BACKEND_FUNCTIONS), f"torch_backend's own public functions {sorted(own ^ set(BACKEND_FUNCTIONS))}"

@@ -1,8 +1,8 @@
 """The two backends of the fused op, one interface: ``torch_backend`` (the spec, any device) and ``kernels`` (Triton).
 
-A backend module holds the row passes over one ``[C, V]`` logits chunk (``token_logps_``, ``shifted_exp_``,
-``softmax_grad_``, ``frozen_dx_``, ``logsumexp_target``), the token plan's label ops (``label_counts``,
-``compact_labels``) and the per-sequence tail (``pair_tail_``, ``finish_``).
+A backend is a module exporting ``BACKEND_FUNCTIONS``, with the torch backend's signatures
+(``tests/test_architecture.py`` checks both): a new backend is one more module and one more branch of
+``backend_module``.
 """
 
 from __future__ import annotations
@@ -16,6 +16,21 @@ import torch
 from . import torch_backend
 
 Backend = Literal["auto", "torch", "triton"]
+
+BACKEND_FUNCTIONS = (
+    # row passes over one [C, V] logits chunk
+    "logsumexp_target",
+    "token_logps_",
+    "softmax_grad_",
+    "shifted_exp_",
+    "frozen_dx_",
+    # the token plan's label ops
+    "label_counts",
+    "compact_labels",
+    # the per-sequence tail
+    "pair_tail_",
+    "finish_",
+)
 
 
 def _triton_available() -> bool:

@@ -1,11 +1,11 @@
-"""Triton kernels for the per-sequence tail (``sequence.py``, the spec): one launch per chunk group, one to finish.
+"""Triton kernels for the per-sequence tail (``torch_backend.py``, the spec): one launch per chunk group, one to finish.
 
 The torch tail is ~40 launches per group (index_add, divisions, log-sigmoids, a float64 autograd graph for
 ``∂L/∂s``, the coefficients) and ~25 more to finish, each a few microseconds of GPU time with the GEMMs waiting
 behind it. Here one program per pair sums its two rows' token log-probs and logit sums (the rows' tokens are
 contiguous in the plan's pair order, so the offsets follow from the counts), then applies the loss, its closed-form
 derivative and the coefficients in float64; a one-program kernel reduces the pairs to the loss, the NLL and the
-logit means. The closed forms are those of ``loss.cpo_pair_losses`` (tests compare both with autograd):
+logit means. The closed forms are those of ``cpo_math.cpo_pair_losses`` (tests compare both with autograd):
 
 - sigmoid / simpo: ``L = (1-ε)·softplus(-βu) + ε·softplus(βu)``, ``∂L/∂u = β·(ε·σ(βu) - (1-ε)·σ(-βu))``;
 - hinge: ``L = relu(1 - βu)``, ``∂L/∂u = -β`` where ``1 - βu > 0`` (0 at the kink, as torch);
@@ -224,7 +224,7 @@ def pair_tail_(
     row_coef: torch.Tensor | None = None,
     fold: torch.Tensor | None = None,
 ) -> None:
-    """``sequence.pair_tail_`` in one launch: one program per pair of ``group``."""
+    """``torch_backend.pair_tail_`` in one launch: one program per pair of ``group``."""
     num_rows = plan.row_counts.numel()
     num_pairs = num_rows // 2
     pairs = group.pair_end - group.pair_start
@@ -252,7 +252,7 @@ def finish_(
     seq_len: int,
     vocab: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``sequence.finish_`` in one launch."""
+    """``torch_backend.finish_`` in one launch."""
     num_rows = plan.row_counts.numel()
     num_pairs = num_rows // 2
     device, dtype = stats.chosen_logps.device, stats.chosen_logps.dtype
