@@ -115,7 +115,6 @@ def check_layout(packed: PackedBatch, cat: dict) -> None:
         assert torch.equal(got[got != IGNORE_INDEX], shifted[row][shifted[row] != IGNORE_INDEX]), row
     n_labelled = (shifted != IGNORE_INDEX).sum()
     assert (packed.labels != IGNORE_INDEX).sum() == n_labelled, "a labelled position is packed twice or lost"
-    assert packed.padded_length == ids.shape[1]
 
 
 def check_hidden(packed: PackedBatch, hidden: torch.Tensor, padded_hidden: torch.Tensor, tol: float) -> None:
@@ -220,6 +219,22 @@ def test_merged_last_prompt_token_and_unshared_pairs():
     assert prefixes[0] == 3 and prefixes[1] == 0 and prefixes[2] == 2 and prefixes[3] == 1
     packed = check_batch(batch)["prefix_shared"]
     assert (packed.branch == SHARED).sum() == 2 + 0 + 1 + 0
+
+
+def test_loss_arguments_name_each_shared_prompt_position_once():
+    """The functional's packed arguments, read by hand: pair 0 shares ``[1 10]`` (its third token is duplicated
+    into both branches), pair 1 shares nothing; tail padding and ``padding_free`` share nothing."""
+    batch = handmade_batch([([1, 10, 11, 30, 2], 3, [1, 10, 11, 31, 2], 3), ([1, 50, 2], 1, [1, 52, 2], 1)])
+    packed = pack_pairs(batch, "prefix_shared", pad_token_id=PAD, pad_to_multiple_of=16)
+    args = packed.loss_arguments()
+    assert sorted(args) == ["labels", "row_lengths", "sequence", "shared_pair"]
+    assert args["labels"] is packed.labels and args["sequence"] is packed.sequence
+    assert args["row_lengths"].tolist() == [5, 3, 5, 3]
+    #            shared | chosen 0     | rejected 0   | chosen 1 | rejected 1 | tail
+    assert args["shared_pair"].tolist() == [0, 0] + [-1] * 6 + [-1] * 6 + [-1] * 2
+    assert packed.group[-2:].tolist() == [2, 2]  # the tail's own group is past the pairs: not a shared prompt
+    free = pack_pairs(batch, "padding_free", pad_token_id=PAD).loss_arguments()
+    assert (free["shared_pair"] == -1).all() and free["row_lengths"].tolist() == [5, 3, 5, 3]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -29,7 +29,7 @@ import inspect
 import torch
 from torch import nn
 
-from .packing import CHOSEN, REJECTED, PackedBatch
+from .packing import CHOSEN, PADDED, PADDING_FREE, REJECTED, PackedBatch
 
 FLEX_BLOCK_SIZE = 128  # torch's default sparse block (flex_attention's kernels tile by it)
 DENSE_IMPLEMENTATIONS = ("eager", "sdpa")
@@ -155,7 +155,7 @@ def packed_attention_mask(packed: PackedBatch, *, dtype: torch.dtype, implementa
     if implementation == "flex_attention":
         return packed_block_mask(packed)
     if implementation in VARLEN_IMPLEMENTATIONS:
-        if packed.layout == "padding_free":
+        if not packed.shares_prompts:  # every group one sequence: varlen's segments
             return None
         raise ValueError(_varlen_refusal(implementation))
     raise ValueError(
@@ -210,7 +210,7 @@ def packing_unsupported_reason(model: nn.Module, layout: str, *, max_length: int
         layout: ``"padded"``, ``"padding_free"`` or ``"prefix_shared"``.
         max_length: the trainer's ``max_length`` (TRL truncates every sequence to it), for the window check.
     """
-    if layout == "padded":
+    if layout == PADDED:
         return None
     lm = _unwrap(model)
     name = type(lm).__name__
@@ -260,7 +260,7 @@ def packing_unsupported_reason(model: nn.Module, layout: str, *, max_length: int
             )
     implementation = getattr(config, "_attn_implementation", None) or "eager"
     if implementation in VARLEN_IMPLEMENTATIONS:
-        return None if layout == "padding_free" else _varlen_refusal(implementation)
+        return None if layout == PADDING_FREE else _varlen_refusal(implementation)
     if implementation not in DENSE_IMPLEMENTATIONS + ("flex_attention",):
         return (
             f"attn_implementation={implementation!r} is not one packing can pass a mask to (eager, sdpa, "

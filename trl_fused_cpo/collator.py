@@ -8,10 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
-
 from .attention import FLEX_BLOCK_SIZE
-from .packing import SHARED, PackedBatch, pack_pairs
+from .packing import PackedBatch, pack_pairs
 
 PACKED_KEY = "fused_cpo_packed"  # the batch key of the PackedBatch
 
@@ -42,10 +40,3 @@ class PackingCollator:
             batch, self.layout, pad_token_id=self.pad_token_id, pad_to_multiple_of=self.pad_to_multiple_of
         )
 
-
-def shared_pair(packed: PackedBatch) -> torch.Tensor:
-    """``[N]``: the pair whose prompt position ``t`` is, where both sequences of that pair share it; -1 elsewhere."""
-    if packed.layout != "prefix_shared":
-        return torch.full_like(packed.group, -1)
-    shared = (packed.branch == SHARED) & (packed.group < packed.num_pairs)  # tail padding has a group of its own
-    return torch.where(shared, packed.group, -1)

@@ -15,9 +15,9 @@ from .ops.schedule import (
     MEMORY_MODES,
     check_budget,
 )
+from .packing import BATCH_LAYOUTS, PADDED
 
 BACKENDS = ("auto", "triton", "torch")
-BATCH_LAYOUTS = ("padded", "padding_free", "prefix_shared")
 
 
 def _mib(n: int) -> str:
@@ -143,7 +143,7 @@ class FusedCPOConfig(CPOConfig):
             raise ValueError(f"fused_backend={self.fused_backend!r} is not one of {list(BACKENDS)}.")
         if self.batch_layout not in BATCH_LAYOUTS:
             raise ValueError(f"batch_layout={self.batch_layout!r} is not one of {list(BATCH_LAYOUTS)}.")
-        if self.batch_layout != "padded" and not self.use_fused_loss:
+        if self.batch_layout != PADDED and not self.use_fused_loss:
             raise ValueError(
                 f"batch_layout={self.batch_layout!r} needs use_fused_loss=True: TRL's stock loss reads a padded batch."
             )

@@ -35,7 +35,9 @@ from typing import Literal
 import torch
 
 Layout = Literal["padded", "padding_free", "prefix_shared"]
-PACKED_LAYOUTS: tuple[str, ...] = ("padding_free", "prefix_shared")
+PADDED, PADDING_FREE, PREFIX_SHARED = "padded", "padding_free", "prefix_shared"  # the values of Layout
+BATCH_LAYOUTS: tuple[str, ...] = (PADDED, PADDING_FREE, PREFIX_SHARED)  # the one list (config.batch_layout's choices)
+PACKED_LAYOUTS: tuple[str, ...] = (PADDING_FREE, PREFIX_SHARED)  # what pack_pairs packs
 IGNORE_INDEX = -100
 SHARED, CHOSEN, REJECTED = 0, 1, 2  # values of PackedBatch.branch
 
@@ -59,9 +61,9 @@ class PackedBatch:
             ``B + i`` for rejected, -1 on shared positions and tail padding.
         num_pairs: ``B``.
         row_lengths: ``[2B]`` int64, the unpadded length of each TRL row (a shared prefix counts in both rows).
-        padded_length: ``T`` of TRL's padded layout, ``max`` over the collator's chosen and rejected widths
-            (TRL's ``logits/chosen`` metric averages over the padded ``[B, T, V]`` half, padding included).
         layout: the layout this batch was packed for.
+
+    What the loss reads is derived here, once: ``shared_pair`` and ``loss_arguments()``.
     """
 
     input_ids: torch.Tensor
@@ -72,13 +74,37 @@ class PackedBatch:
     sequence: torch.Tensor
     num_pairs: int
     row_lengths: torch.Tensor
-    padded_length: int = 0
-    layout: str = "prefix_shared"
+    layout: str = PREFIX_SHARED
 
     @property
     def num_tokens(self) -> int:
         """``N``, the packed row's length."""
         return self.input_ids.shape[-1]
+
+    @property
+    def shares_prompts(self) -> bool:
+        """Whether a pair's prompt is one segment both its sequences attend to (``prefix_shared``); else every
+        attention group is one sequence (``padding_free``)."""
+        return self.layout == PREFIX_SHARED
+
+    @property
+    def shared_pair(self) -> torch.Tensor:
+        """``[N]``: the pair whose prompt position ``t`` is, where both sequences of that pair share it; -1
+        elsewhere (every position of ``padding_free``, and tail padding, whose group is its own)."""
+        if not self.shares_prompts:
+            return torch.full_like(self.group, -1)
+        shared = (self.branch == SHARED) & (self.group < self.num_pairs)
+        return torch.where(shared, self.group, -1)
+
+    def loss_arguments(self) -> dict[str, torch.Tensor]:
+        """The packed arguments of ``loss.fused_linear_cpo_loss_packed``: ``labels``, ``sequence``, ``row_lengths``
+        and ``shared_pair``."""
+        return {
+            "labels": self.labels,
+            "sequence": self.sequence,
+            "row_lengths": self.row_lengths,
+            "shared_pair": self.shared_pair,
+        }
 
     def to(self, device: torch.device | str) -> PackedBatch:
         """A copy with every tensor on ``device`` (non-blocking where the source is pinned)."""
@@ -199,7 +225,7 @@ def pack_pairs(
         The :class:`PackedBatch`, pairs in batch order.
     """
     if layout not in PACKED_LAYOUTS:
-        raise ValueError(f"layout={layout!r}: pack_pairs packs {PACKED_LAYOUTS}; 'padded' is TRL's own batch.")
+        raise ValueError(f"layout={layout!r}: pack_pairs packs {PACKED_LAYOUTS}; {PADDED!r} is TRL's own batch.")
     if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
         raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of} must be a positive integer or None.")
     device = batch["chosen_input_ids"].device
@@ -212,7 +238,7 @@ def pack_pairs(
     row = _Row()
     for i in range(num_pairs):
         c_ids, c_lab, r_ids, r_lab = chosen_ids[i], chosen_labels[i], rejected_ids[i], rejected_labels[i]
-        if layout == "prefix_shared":
+        if layout == PREFIX_SHARED:
             split = max(shared_prefix_length(c_ids, c_lab, r_ids, r_lab), 1) - 1  # branches start here
             row.add(c_ids[:split], torch.full((split,), IGNORE_INDEX), 0, i, SHARED, -1)
             groups = (i, i)
@@ -223,7 +249,7 @@ def pack_pairs(
         row.add(r_ids, r_lab, split, groups[1], REJECTED, num_pairs + i)
     if pad_to_multiple_of is not None and row.length % pad_to_multiple_of:
         n_pad = pad_to_multiple_of - row.length % pad_to_multiple_of
-        tail_group = 2 * num_pairs if layout == "padding_free" else num_pairs
+        tail_group = num_pairs if layout == PREFIX_SHARED else 2 * num_pairs
         row.add(torch.full((n_pad,), pad_token_id), torch.full((n_pad,), IGNORE_INDEX), 0, tail_group, SHARED, -1)
 
     row_lengths = torch.tensor([len(x) for x in chosen_ids + rejected_ids], dtype=torch.int64)
@@ -236,7 +262,6 @@ def pack_pairs(
         sequence=row.cat("sequence"),
         num_pairs=num_pairs,
         row_lengths=row_lengths,
-        padded_length=max(batch["chosen_input_ids"].shape[1], batch["rejected_input_ids"].shape[1]),
         layout=layout,
     )
     return packed if device.type == "cpu" else packed.to(device)

@@ -19,12 +19,12 @@ from trl.experimental.cpo import CPOTrainer
 
 from .activations import decoder_layers, install_plan, plan_for_training, plan_line
 from .attention import packed_attention_mask, packing_unsupported_reason
-from .collator import PACKED_KEY, PackingCollator, shared_pair
+from .collator import PACKED_KEY, PackingCollator
 from .config import fused_options
 from .distributed import call_through_head, install_fused_forward
 from .loss import CPOLossOutput, fused_linear_cpo_loss, fused_linear_cpo_loss_packed
 from .ops.grad_scale import GradScaleGuess
-from .packing import PackedBatch
+from .packing import PADDED, PackedBatch
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +97,7 @@ class FusedHead:
         def loss(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
             if isinstance(labels, PackedBatch):
                 return fused_linear_cpo_loss_packed(
-                    h[0], w, labels.labels, labels.sequence, row_lengths=labels.row_lengths,
-                    shared_pair=shared_pair(labels), bias=b, grad_scale_guess=self.grad_scale_guess,
+                    h[0], w, **labels.loss_arguments(), bias=b, grad_scale_guess=self.grad_scale_guess,
                     **self.loss_kwargs,
                 )  # fmt: skip
             return fused_linear_cpo_loss(
@@ -148,7 +147,7 @@ class FusedCPOTrainer(CPOTrainer):
         if reason is not None:
             raise ValueError(reason)
         self._ensure_fused_forward(self.model)
-        if self.batch_layout != "padded":
+        if self.batch_layout != PADDED:
             self._packing = PackingCollator(
                 self.data_collator, self.batch_layout, self.pad_token_id, self._attn_implementation()
             )
@@ -168,7 +167,7 @@ class FusedCPOTrainer(CPOTrainer):
         logger.info(plan_line(self.activation_plan, len(decoder_layers(self.model))))
 
     def _refuse_packing_without_the_fused_loss(self, why: str) -> None:
-        if self.batch_layout != "padded":
+        if self.batch_layout != PADDED:
             raise ValueError(
                 f"batch_layout={self.batch_layout!r} needs the fused loss, which {why} turns off: TRL's stock loss "
                 "reads a padded batch. Set batch_layout: padded."
@@ -215,7 +214,7 @@ class FusedCPOTrainer(CPOTrainer):
             return super().get_batch_loss_metrics(model, batch, train_eval)
         self._ensure_fused_forward(model)
         out = (
-            self._packed_forward(model, batch) if self.batch_layout != "padded" else self._padded_forward(model, batch)
+            self._packed_forward(model, batch) if self.batch_layout != PADDED else self._padded_forward(model, batch)
         )
         gather = self.accelerator.gather_for_metrics
         accuracies = (out.chosen_rewards > out.rejected_rewards).float()
