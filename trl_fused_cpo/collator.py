@@ -39,4 +39,3 @@ class PackingCollator:
         return pack_pairs(
             batch, self.layout, pad_token_id=self.pad_token_id, pad_to_multiple_of=self.pad_to_multiple_of
         )
-

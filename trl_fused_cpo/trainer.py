@@ -213,9 +213,7 @@ class FusedCPOTrainer(CPOTrainer):
         if not self.use_fused_loss:
             return super().get_batch_loss_metrics(model, batch, train_eval)
         self._ensure_fused_forward(model)
-        out = (
-            self._packed_forward(model, batch) if self.batch_layout != PADDED else self._padded_forward(model, batch)
-        )
+        out = self._packed_forward(model, batch) if self.batch_layout != PADDED else self._padded_forward(model, batch)
         gather = self.accelerator.gather_for_metrics
         accuracies = (out.chosen_rewards > out.rejected_rewards).float()
         prefix = "eval_" if train_eval == "eval" else ""

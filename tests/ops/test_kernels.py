@@ -229,7 +229,8 @@ TAIL_OPTIONS = [
 @pytest.mark.parametrize("grad", [False, True])
 @pytest.mark.parametrize("opts", TAIL_OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 def test_sequence_tail_kernels_match_torch(opts, grad, dtype):
-    """pair_tail_ / finish_ (closed forms, one launch each) against the torch spec (autograd), group by group."""
+    """pair_tail_ / finish_ (closed forms, one launch each) against the torch spec (autograd), group by group; the
+    logit means for padded rows (``T`` positions each) and packed ones (a length per row)."""
     from trl_fused_cpo.ops import kernels
     from trl_fused_cpo.ops import plan as plan_mod
     from trl_fused_cpo.ops.cpo_math import CPOHyperparams
@@ -250,13 +251,16 @@ def test_sequence_tail_kernels_match_torch(opts, grad, dtype):
     unlabelled = torch.randn(rows, generator=g, dtype=torch.float64).to(dtype).to(DEVICE)
     bias = torch.randn(vocab, generator=g).to(DEVICE)
     guess = torch.tensor(0.5, dtype=dtype, device=DEVICE)
+    padded = torch.full((rows,), seq_len, device=DEVICE)
+    packed = plan.row_counts + 1 + torch.randint(0, 9, (rows,), generator=g).to(DEVICE)  # real lengths: each its own
+    positions = (padded, packed)
     results = []
     for ops in (torch_backend, kernels):
         stats = SequenceStats.empty(rows, torch.device(DEVICE), dtype)
         coef = torch.full((rows,), float("nan"), dtype=dtype, device=DEVICE) if grad else None
         for group in plan.groups:
             ops.pair_tail_(stats, plan, token_logp, token_sum, group, hp, coef, guess if grad else None)
-        finished = [ops.finish_(stats, plan, hp, unlabelled, b, seq_len, vocab) for b in (None, bias)]
+        finished = [ops.finish_(stats, plan, hp, unlabelled, b, n, vocab) for b in (None, bias) for n in positions]
         results.append((stats, coef, finished))
     (want, want_coef, want_fin), (got, got_coef, got_fin) = results
     tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-6, atol=1e-6)

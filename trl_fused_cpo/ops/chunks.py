@@ -22,7 +22,7 @@ from .cpo_math import CPOHyperparams
 from .plan import ChunkGroup, first_slice_bound, plan_tokens
 from .rows import PackedRows, PaddedRows
 from .schedule import Chunks, NeedGrads
-from .sequence import Grads, SequenceStats, unlabelled_logit_sums, warn_where_trl_gives_nan
+from .sequence import Grads, SequenceStats, finish_outputs, unlabelled_logit_sums, warn_where_trl_gives_nan
 
 
 def chunked_forward(
@@ -229,7 +229,9 @@ class _ChunkedPass:
         if self.unlabelled_sum is None:  # no labelled token at all: no chunk GEMM carried the extra rows
             unlabelled_hidden = self.rows.unlabelled_hidden_sums(self.x_all.detach())
             self.unlabelled_sum = unlabelled_logit_sums(unlabelled_hidden, weight, bias, self.acc_dtype)
-        outputs = self.rows.finish(self.backend, self.stats, plan, self.hp, self.unlabelled_sum, bias, weight.shape[0])
+        outputs = finish_outputs(
+            self.backend, self.stats, plan, self.hp, self.unlabelled_sum, bias, self.rows.row_positions, weight.shape[0]
+        )
         grads = Grads(
             hidden=None if self.dx is None else self.dx.view_as(self.hidden),
             weight=None if self.dw is None else (self.dw if self.dw_written else torch.zeros_like(weight)),

@@ -2,7 +2,8 @@
 
 The schedules only need four things from a layout: how many positions and rows there are, the labelled tokens in
 pair order (``plan.LabelLayout``), each row's sum of hidden states over its unlabelled positions (the ``logits/*``
-metrics ride on the first GEMM as those sums), and how the per-row logit sums become the two metric means.
+metrics ride on the first GEMM as those sums), and each row's position count (``row_positions``: the backend's
+``finish_`` divides the per-row logit sums by it, one formula for every layout).
 
 - ``PaddedRows``: TRL's layout, ``hidden [2B, T, H]``, ``labels [2B, T]``; the means are TRL's ``logits.mean()`` of
   each half, padding included.
@@ -18,9 +19,8 @@ from types import ModuleType
 
 import torch
 
-from .cpo_math import CPOHyperparams
-from .plan import LabelLayout, TokenPlan, lay_out_labels, lay_out_packed_labels
-from .sequence import SequenceStats, finish_outputs, unlabelled_hidden_sums
+from .plan import LabelLayout, lay_out_labels, lay_out_packed_labels
+from .sequence import unlabelled_hidden_sums
 
 
 @dataclass(frozen=True)
@@ -45,10 +45,11 @@ class PaddedRows:
         hidden = x_all.view(*self.labels.shape, x_all.shape[-1])
         return unlabelled_hidden_sums(hidden, self.labels, self.ignore_index)
 
-    def finish(self, backend, stats: SequenceStats, plan: TokenPlan, hp: CPOHyperparams, unlabelled_sum, bias, vocab):
-        """``LinearCPOFunction``'s outputs (``sequence.finish_outputs``)."""
-        seq_len = self.labels.shape[1]
-        return finish_outputs(backend, stats, plan, hp, unlabelled_sum, bias, seq_len, vocab)
+    @property
+    def row_positions(self) -> torch.Tensor:
+        """``[2B]``: every row has ``T`` positions, padding included (TRL's means average it)."""
+        rows, seq_len = self.labels.shape
+        return torch.full((rows,), seq_len, device=self.labels.device, dtype=torch.int64)
 
 
 @dataclass(frozen=True)
@@ -95,14 +96,7 @@ class PackedRows:
             membership[self.member[k].where(self.member[k] >= 0, rows), positions] = unlabelled
         return torch.mm(membership[:rows], x_all)
 
-    def finish(self, backend, stats: SequenceStats, plan: TokenPlan, hp: CPOHyperparams, unlabelled_sum, bias, vocab):
-        """The outputs, the metric means taken over every position of each half's sequences (no padding exists)."""
-        outputs = finish_outputs(backend, stats, plan, hp, unlabelled_sum, bias, 1, vocab)
-        total = stats.row_logit_sums + unlabelled_sum.double()
-        lengths = self.row_lengths.to(total.device, torch.float64)
-        if bias is not None:  # the unlabelled-sum row carries the bias once; each unlabelled position once
-            total = total + (lengths - plan.row_counts.double() - 1) * bias.detach().sum(dtype=torch.float64)
-        half = self.num_rows // 2
-        chosen = (total[:half].sum() / (lengths[:half].sum().clamp(min=1) * vocab)).float()
-        rejected = (total[half:].sum() / (lengths[half:].sum().clamp(min=1) * vocab)).float()
-        return (*outputs[:6], chosen, rejected)
+    @property
+    def row_positions(self) -> torch.Tensor:
+        """``[2B]``: the real positions of each row, its shared prompt included (no padding exists)."""
+        return self.row_lengths

@@ -70,12 +70,13 @@ def finish_outputs(
     hp: CPOHyperparams,
     unlabelled_sum: torch.Tensor,
     bias: torch.Tensor | None,
-    seq_len: int,
+    row_positions: torch.Tensor,
     vocab: int,
 ) -> tuple[torch.Tensor, ...]:
     """``LinearCPOFunction``'s outputs, ``backend.finish_`` applied: ``(loss, chosen_logps, rejected_logps,
-    chosen_rewards, rejected_rewards, nll, chosen_logits_mean, rejected_logits_mean)``."""
-    loss, nll, chosen_mean, rejected_mean = backend.finish_(stats, plan, hp, unlabelled_sum, bias, seq_len, vocab)
+    chosen_rewards, rejected_rewards, nll, chosen_logits_mean, rejected_logits_mean)``. ``row_positions``: the
+    layout's (``rows.py``)."""
+    loss, nll, chosen_mean, rejected_mean = backend.finish_(stats, plan, hp, unlabelled_sum, bias, row_positions, vocab)
     per_pair = (stats.chosen_logps, stats.rejected_logps, stats.chosen_rewards, stats.rejected_rewards)
     return (loss, *per_pair, nll, chosen_mean, rejected_mean)
 

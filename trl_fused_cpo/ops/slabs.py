@@ -20,7 +20,7 @@ from .cpo_math import CPOHyperparams
 from .plan import plan_tokens
 from .rows import PackedRows, PaddedRows
 from .schedule import NeedGrads, Slabs
-from .sequence import Grads, SequenceStats, warn_where_trl_gives_nan
+from .sequence import Grads, SequenceStats, finish_outputs, warn_where_trl_gives_nan
 
 SLAB_ALIGN = 128  # vocabulary columns per slab: a multiple of the GEMM tile
 
@@ -83,7 +83,8 @@ def slab_forward(
             dx = torch.zeros_like(x_all)
             dx.index_copy_(0, plan.token_index, grads.hidden.to(hidden.dtype))
             grads.hidden = dx.view_as(hidden)
-    return rows.finish(backend, stats, plan, hp, unlabelled_sum, bias, vocab), grads, folded
+    outputs = finish_outputs(backend, stats, plan, hp, unlabelled_sum, bias, rows.row_positions, vocab)
+    return outputs, grads, folded
 
 
 def _log_prob_pass(x, plan, slabs, slab_logits, backend, acc_dtype):

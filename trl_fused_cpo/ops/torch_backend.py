@@ -168,13 +168,15 @@ def finish_(
     hp: CPOHyperparams,
     unlabelled_sum: torch.Tensor,
     bias: torch.Tensor | None,
-    seq_len: int,
+    row_positions: torch.Tensor,
     vocab: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(loss, nll, chosen_logits_mean, rejected_logits_mean)`` once every group has written ``stats``.
 
-    ``unlabelled_sum`` ``[2B]``: each row's logits summed over its unlabelled positions (``chunks.py``). The
-    means are TRL's ``logits.mean()`` of each half: every position, every vocabulary column.
+    ``unlabelled_sum`` ``[2B]``: each row's logits summed over its unlabelled positions (``chunks.py``).
+    ``row_positions`` ``[2B]`` int64: the positions each row has (``rows.py``: ``T`` padded, its length packed).
+    Each mean is the half's logit sum over the half's positions and the vocabulary: TRL's ``logits.mean()`` of the
+    padded half, the mean over the real positions of a packed one.
     """
     num_pairs = plan.row_counts.numel() // 2
     dtype = stats.chosen_logps.dtype
@@ -185,7 +187,11 @@ def finish_(
         nll = torch.zeros((), device=stats.pair_losses.device, dtype=dtype)
     loss = (stats.pair_losses.sum() / num_pairs).to(dtype) + hp.cpo_alpha * nll
     total = stats.row_logit_sums + unlabelled_sum.double()
-    if bias is not None:  # an extra row's logits carry the bias once; its positions carry it once each
-        total += (seq_len - plan.row_counts - 1).double() * bias.detach().sum(dtype=torch.float64)
-    means = (total / (seq_len * vocab)).float()
-    return loss, nll, means[:num_pairs].mean(), means[num_pairs:].mean()
+    positions = row_positions.double()
+    if bias is not None:  # the unlabelled-sum row's logits carry the bias once; each unlabelled position once
+        total = total + (positions - plan.row_counts.double() - 1) * bias.detach().sum(dtype=torch.float64)
+    means = [
+        (total[half].sum() / (positions[half].sum().clamp(min=1) * vocab)).float()
+        for half in (slice(0, num_pairs), slice(num_pairs, None))
+    ]
+    return loss, nll, means[0], means[1]

@@ -169,6 +169,7 @@ def _finish_kernel(
     row_logit_ptr,
     unlabelled_ptr,
     counts_ptr,
+    positions_ptr,
     bias_sum_ptr,
     hp_ptr,
     loss_ptr,
@@ -176,8 +177,7 @@ def _finish_kernel(
     means_ptr,
     num_pairs,
     num_chosen,
-    seq_len,
-    positions,
+    vocab,
     HAS_NLL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -185,6 +185,7 @@ def _finish_kernel(
     rows = tl.arange(0, BLOCK_R)
     in_rows = rows < 2 * num_pairs
     chosen = rows < num_pairs
+    rejected = in_rows & ~chosen
     out_ty = loss_ptr.dtype.element_ty
     cpo_alpha = tl.load(hp_ptr + 4).to(out_ty)
     pair_sum = tl.sum(tl.load(pair_loss_ptr + rows, mask=chosen, other=0.0), axis=0)
@@ -195,12 +196,16 @@ def _finish_kernel(
     tl.store(loss_ptr, (pair_sum / num_pairs).to(out_ty) + cpo_alpha * nll)
     total = tl.load(row_logit_ptr + rows, mask=in_rows, other=0.0)
     total += tl.load(unlabelled_ptr + rows, mask=in_rows, other=0.0).to(tl.float64)
-    if HAS_BIAS:  # an extra row's logits carry the bias once; its positions carry it once each
-        counts = tl.load(counts_ptr + rows, mask=in_rows, other=0)
-        total += (seq_len - counts - 1).to(tl.float64) * tl.load(bias_sum_ptr)
-    means = (total / positions).to(tl.float32)
-    tl.store(means_ptr, tl.sum(tl.where(chosen, means, 0.0), axis=0) / num_pairs)
-    tl.store(means_ptr + 1, tl.sum(tl.where(in_rows & ~chosen, means, 0.0), axis=0) / num_pairs)
+    positions = tl.load(positions_ptr + rows, mask=in_rows, other=0).to(tl.float64)
+    if HAS_BIAS:  # the unlabelled-sum row's logits carry the bias once; each unlabelled position once
+        counts = tl.load(counts_ptr + rows, mask=in_rows, other=0).to(tl.float64)
+        total += (positions - counts - 1.0) * tl.load(bias_sum_ptr)
+    chosen_positions = tl.maximum(tl.sum(tl.where(chosen, positions, 0.0), axis=0), 1.0)
+    rejected_positions = tl.maximum(tl.sum(tl.where(rejected, positions, 0.0), axis=0), 1.0)
+    chosen_total = tl.sum(tl.where(chosen, total, 0.0), axis=0)
+    rejected_total = tl.sum(tl.where(rejected, total, 0.0), axis=0)
+    tl.store(means_ptr, (chosen_total / (chosen_positions * vocab)).to(tl.float32))
+    tl.store(means_ptr + 1, (rejected_total / (rejected_positions * vocab)).to(tl.float32))
 
 
 @functools.cache
@@ -249,7 +254,7 @@ def finish_(
     hp: CPOHyperparams,
     unlabelled_sum: torch.Tensor,
     bias: torch.Tensor | None,
-    seq_len: int,
+    row_positions: torch.Tensor,
     vocab: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``torch_backend.finish_`` in one launch."""
@@ -262,8 +267,8 @@ def finish_(
     has_nll = hp.cpo_alpha != 0 and num_chosen > 0
     bias_sum = bias.detach().sum(dtype=torch.float64) if bias is not None else stats.pair_losses
     _finish_kernel[(1,)](
-        stats.pair_losses, stats.row_logp_sums, stats.row_logit_sums, unlabelled_sum, plan.row_counts, bias_sum,
-        _hp_tensor(hp, device), loss, nll, means, num_pairs, max(num_chosen, 1), seq_len, seq_len * vocab,
+        stats.pair_losses, stats.row_logp_sums, stats.row_logit_sums, unlabelled_sum, plan.row_counts,
+        row_positions, bias_sum, _hp_tensor(hp, device), loss, nll, means, num_pairs, max(num_chosen, 1), vocab,
         HAS_NLL=has_nll, HAS_BIAS=bias is not None, BLOCK_R=_block_rows(num_rows), num_warps=1,
     )  # fmt: skip
     return loss, nll, means[0], means[1]
