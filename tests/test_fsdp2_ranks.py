@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trl_fused_cpo.distributed import call_through_head, install_fused_forward
+from trl_fused_cpo.distributed import install_fused_forward
 from trl_fused_cpo.loss import fused_linear_cpo_loss
 from trl_fused_cpo.toy import toy_model
 
@@ -41,12 +41,11 @@ def _loss(model, input_ids, labels, memory: str = "fast", layout: str = "padded"
     if layout != "padded":
         return _packed_loss(model, input_ids, labels, memory, layout)
 
-    def loss_fn(hidden, head, fused_labels):
+    def loss_fn(hidden, weight, bias, fused_labels):
         # cpo_alpha = 0: a sigmoid loss is a mean over pairs, so the rank-mean equals the global mean
-        fused = lambda h, w, b: fused_linear_cpo_loss(
-            h, w, fused_labels, bias=b, cpo_alpha=0.0, backend="torch", memory=memory
+        return fused_linear_cpo_loss(
+            hidden, weight, fused_labels, bias=bias, cpo_alpha=0.0, backend="torch", memory=memory
         )
-        return call_through_head(head, fused, hidden)
 
     install_fused_forward(model, loss_fn)
     return model(input_ids=input_ids, fused_cpo_labels=labels).loss

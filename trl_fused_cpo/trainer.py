@@ -21,7 +21,7 @@ from .activations import decoder_layers, install_plan, plan_for_training, plan_l
 from .attention import packed_attention_mask, packing_unsupported_reason
 from .collator import PACKED_KEY, PackingCollator
 from .config import fused_options
-from .distributed import call_through_head, install_fused_forward
+from .distributed import install_fused_forward
 from .loss import CPOLossOutput, fused_linear_cpo_loss, fused_linear_cpo_loss_packed
 from .ops.grad_scale import GradScaleGuess
 from .packing import PADDED, PackedBatch
@@ -77,34 +77,30 @@ def unsupported_reason(model: nn.Module) -> str | None:
 
 @dataclass
 class FusedHead:
-    """The fused head the patched forward calls: ``fused_linear_cpo_loss`` with the trainer's settings.
+    """The fused head's loss: ``fused_linear_cpo_loss`` with the trainer's settings, on the head's weight and bias.
 
-    Kept on the model (``distributed.install_fused_forward``), so it holds settings only, never the trainer: the
-    trainer and its optimizer are freed with it, and the model deep-copies and pickles as a plain one. Its
-    ``GradScaleGuess`` remembers this trainer's incoming gradient (``1 / gradient_accumulation_steps``, a loss scale)
-    to save a pass over dW; it cannot change a result (``ops/grad_scale.py``).
+    Kept on the model (``distributed.install_fused_forward``), whose patched forward calls it through the head
+    (``distributed.call_through_head``, also the one torch.compile graph break), so it holds settings only, never
+    the trainer: the trainer and its optimizer are freed with it, and the model deep-copies and pickles as a plain
+    one. Its ``GradScaleGuess`` remembers this trainer's incoming gradient (``1 / gradient_accumulation_steps``, a
+    loss scale) to save a pass over dW; it cannot change a result (``ops/grad_scale.py``).
     """
 
     loss_kwargs: dict
     grad_scale_guess: GradScaleGuess = field(default_factory=GradScaleGuess)
 
-    # torch_compile: Dynamo compiles the backbone and stops here (one graph break). Traced, the op broke into 29
-    # graphs on the toy model, 3 min of CPU compile for 3 steps (host syncs, torch.autograd.grad, generators).
-    @torch.compiler.disable
-    def __call__(self, hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor | PackedBatch):
+    def __call__(
+        self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor | PackedBatch
+    ) -> CPOLossOutput:
         """``labels``: ``[2B, T]`` shifted labels of TRL's padded batch, or the ``PackedBatch`` of a packed one."""
-
-        def loss(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
-            if isinstance(labels, PackedBatch):
-                return fused_linear_cpo_loss_packed(
-                    h[0], w, **labels.loss_arguments(), bias=b, grad_scale_guess=self.grad_scale_guess,
-                    **self.loss_kwargs,
-                )  # fmt: skip
-            return fused_linear_cpo_loss(
-                h, w, labels, bias=b, grad_scale_guess=self.grad_scale_guess, **self.loss_kwargs
-            )
-
-        return call_through_head(head, loss, hidden)
+        if isinstance(labels, PackedBatch):
+            return fused_linear_cpo_loss_packed(
+                hidden[0], weight, **labels.loss_arguments(), bias=bias, grad_scale_guess=self.grad_scale_guess,
+                **self.loss_kwargs,
+            )  # fmt: skip
+        return fused_linear_cpo_loss(
+            hidden, weight, labels, bias=bias, grad_scale_guess=self.grad_scale_guess, **self.loss_kwargs
+        )
 
 
 class FusedCPOTrainer(CPOTrainer):
