@@ -12,6 +12,7 @@ from .ops.schedule import (
     DEFAULT_CHUNK_BYTES_FROZEN,
     DEFAULT_CHUNK_BYTES_NO_GRAD,
     DEFAULT_CHUNK_BYTES_TRAINABLE,
+    DEFAULT_SLAB_BYTES,
     MEMORY_MODES,
     check_budget,
 )
@@ -81,7 +82,9 @@ class FusedCPOConfig(CPOConfig):
         metadata={
             "help": "Bytes of the one [tokens, vocab] logits buffer alive at a time (default "
             f"{_mib(DEFAULT_CHUNK_BYTES_TRAINABLE)} with a trainable head, {_mib(DEFAULT_CHUNK_BYTES_FROZEN)} frozen, "
-            f"{_mib(DEFAULT_CHUNK_BYTES_NO_GRAD)} in eval). Lower = less memory; far lower = slower GEMMs."
+            f"{_mib(DEFAULT_CHUNK_BYTES_NO_GRAD)} in eval). Lower = less memory; far lower = slower GEMMs. Under "
+            "fused_memory 'lean' with a trainable head: the bytes of one vocabulary slab's logits over all tokens "
+            f"(default {_mib(DEFAULT_SLAB_BYTES)})."
         },
     )
     fused_memory: str = field(

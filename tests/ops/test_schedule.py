@@ -37,10 +37,13 @@ def test_whole_batch_budget_makes_one_gemm_only_for_a_trainable_low_precision_he
     assert whole_batch_tokens(128_256, 4096, torch.float32, 2093) == 2093
     hidden, weight, _, labels = make_batch(4, 9, 5, 17, dtype=torch.float32)
     n = int((labels != -100).sum())
-    plan_args = dict(ignore_index=-100, vocab_size=17, max_tokens=3, backend=torch_backend)
-    one = plan_tokens(labels, **plan_args, whole_batch_tokens=n)
-    assert len(one.groups) == 1 and one.max_tokens == n
-    assert len(plan_tokens(labels, **plan_args, whole_batch_tokens=n - 1).groups) > 1
+    plan_args = dict(ignore_index=-100, vocab_size=17, backend=torch_backend)
+    one = plan_tokens(labels, **plan_args, max_tokens=Chunks(3, n).chunk_tokens)
+    assert len(one.groups) == 1 and one.max_tokens == n and one.one_gemm
+    several = plan_tokens(labels, **plan_args, max_tokens=Chunks(3, n - 1).chunk_tokens)
+    assert len(several.groups) > 1 and not several.one_gemm
+    assert Chunks(3, n).first_slice_bound(10**6) == n and Chunks(3, None).first_slice_bound(10**6) == 3
+    assert Chunks(3, n).first_slice_bound(2) == 2  # no more rows than positions
 
     firsts = []
     real = gemm.accumulate_mm

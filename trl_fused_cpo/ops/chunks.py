@@ -19,7 +19,7 @@ import torch
 
 from . import gemm, grad_scale
 from .cpo_math import CPOHyperparams
-from .plan import ChunkGroup, first_slice_bound, plan_tokens
+from .plan import ChunkGroup, plan_tokens
 from .rows import PackedRows, PaddedRows
 from .schedule import Chunks, NeedGrads
 from .sequence import Grads, SequenceStats, finish_outputs, unlabelled_logit_sums, warn_where_trl_gives_nan
@@ -76,7 +76,7 @@ class _ChunkedPass:
         # rows then the first tokens, gathered for the largest first slice the plan can make.
         self.layout = rows.lay_out(weight.shape[0], backend)
         self.extras = num_rows
-        self.first_rows = first_slice_bound(num_positions, schedule.max_tokens, schedule.whole_batch_tokens)
+        self.first_rows = schedule.first_slice_bound(num_positions)
         self.first_x = torch.empty(self.extras + self.first_rows, hidden_size, device=device, dtype=hidden.dtype)
         self.first_x[: self.extras] = rows.unlabelled_hidden_sums(self.x_all.detach())
         index = self.layout.token_index[: self.first_rows]
@@ -100,8 +100,7 @@ class _ChunkedPass:
             self.rows.labels,
             ignore_index=self.rows.ignore_index,
             vocab_size=self.weight.shape[0],
-            max_tokens=self.schedule.max_tokens,
-            whole_batch_tokens=self.schedule.whole_batch_tokens,
+            max_tokens=self.schedule.chunk_tokens,
             backend=self.backend,
             layout=self.layout,
         )
@@ -111,7 +110,7 @@ class _ChunkedPass:
             self.token_keep, self.token_inv = self.token_buffers[2, :n], self.token_buffers[3, :n]
         # One GEMM over every token (a single chunk) rounds dW once, as torch does: write it in the weight dtype.
         # Several chunks accumulate in fp32, and the backward casts and scales in one pass (kernels/backward_scale).
-        self.single_gemm = len(plan.groups) == 1 and len(plan.groups[0].slices(plan.max_tokens)) == 1
+        self.single_gemm = plan.one_gemm
 
     def slice_logits(self, s: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x, logits)`` of tokens ``[s, e)``: the first GEMM on the rows gathered before the sync (its extra rows

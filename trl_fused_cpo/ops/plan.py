@@ -8,6 +8,7 @@ every sequence log-prob it depends on and can finish its loss and gradients with
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -67,6 +68,11 @@ class TokenPlan:
     @property
     def num_chosen_tokens(self) -> int:
         return sum(self.row_counts_host[: len(self.row_counts_host) // 2])
+
+    @property
+    def one_gemm(self) -> bool:
+        """Whether every token is in one slice: one logits GEMM, one dW GEMM."""
+        return len(self.groups) == 1 and len(self.groups[0].slices(self.max_tokens)) == 1
 
 
 @dataclass(frozen=True)
@@ -143,19 +149,19 @@ def plan_tokens(
     *,
     ignore_index: int,
     vocab_size: int,
-    max_tokens: int,
-    whole_batch_tokens: int | None = None,
+    max_tokens: int | Callable[[int], int],
     backend: ModuleType,
     layout: LabelLayout | None = None,
 ) -> TokenPlan:
-    """Compact the labelled positions of ``labels`` ``[2B, T]`` into pair-ordered, budgeted chunks.
+    """Compact the labelled positions of ``labels`` ``[2B, T]`` into pair-ordered chunks of the given size.
 
     One host synchronisation: the per-row counts (and the count of out-of-range labels, checked here so that a
-    bad id raises before anything indexes the weight matrix with it).
+    bad id raises before anything indexes the weight matrix with it). The plan counts and cuts; the budget is the
+    schedule's (``schedule.py``).
 
     Args:
-        whole_batch_tokens: a batch with at most this many labelled tokens is one chunk whatever ``max_tokens``
-            says (the caller's larger budget for a single GEMM, which needs no fp32 weight-gradient accumulator).
+        max_tokens: tokens per chunk, or what gives them from the labelled count once it is known (a schedule's
+            ``chunk_tokens``).
         backend: ``torch_backend`` or ``kernels`` (``backend.py``), for ``label_counts`` and ``compact_labels``.
         layout: ``lay_out_labels``' result, where the caller queued work on it before this sync.
     """
@@ -182,8 +188,8 @@ def plan_tokens(
             f"e.g. {bad_ids}. The tokenizer and the lm_head disagree on the vocabulary size."
         )
     num_tokens = sum(row_counts_host)
-    if whole_batch_tokens is not None and num_tokens <= whole_batch_tokens:
-        max_tokens = max(max_tokens, num_tokens)
+    if callable(max_tokens):
+        max_tokens = max_tokens(num_tokens)
 
     pair_tokens = [row_counts_host[i] + row_counts_host[num_pairs + i] for i in range(num_pairs)]
     groups = balanced_groups(pair_tokens, max_tokens)
@@ -227,8 +233,3 @@ def balanced_groups(pair_tokens: list[int], max_tokens: int) -> list[ChunkGroup]
         else:
             lo = mid + 1
     return groups
-
-
-def first_slice_bound(num_positions: int, max_tokens: int, whole_batch_tokens: int | None) -> int:
-    """The most tokens ``plan_tokens`` can put in its first slice, known before its sync."""
-    return min(num_positions, max(max_tokens, whole_batch_tokens or 0))

@@ -54,18 +54,39 @@ class NeedGrads:
 
 @dataclass(frozen=True)
 class Chunks:
-    """The default schedule: pair-aligned token chunks of at most ``max_tokens``; a batch of at most
-    ``whole_batch_tokens`` labelled tokens is one GEMM (None: no such exception)."""
+    """The default schedule: pair-aligned token chunks of at most ``max_tokens``.
+
+    The one-GEMM exception, stated here only: a batch of at most ``whole_batch_tokens`` labelled tokens is one GEMM
+    whatever ``max_tokens`` says (one chunk writes dW in the weight dtype, with no fp32 accumulator, so its logits
+    may use the accumulator's memory: ``whole_batch_tokens``); None: no such exception (no trainable head).
+    """
 
     max_tokens: int
     whole_batch_tokens: int | None
 
+    def chunk_tokens(self, num_tokens: int) -> int:
+        """Tokens per chunk for a batch of ``num_tokens`` labelled tokens (known after the plan's sync)."""
+        if self.whole_batch_tokens is not None and num_tokens <= self.whole_batch_tokens:
+            return max(self.max_tokens, num_tokens)
+        return self.max_tokens
+
+    def first_slice_bound(self, num_positions: int) -> int:
+        """The most tokens the first slice can hold whatever the labelled count: its rows are gathered before the
+        plan's sync."""
+        return min(num_positions, max(self.max_tokens, self.whole_batch_tokens or 0))
+
 
 @dataclass(frozen=True)
 class Slabs:
-    """The memory-lean schedule (``slabs.py``): every token, vocabulary slabs of at most ``slab_bytes`` of logits."""
+    """The memory-lean schedule (``slabs.py``): every token, vocabulary slabs of at most ``slab_bytes`` of logits.
+
+    Under ``memory="lean"`` the ``chunk_bytes`` knob is ``slab_bytes``: the logits of one slab over all tokens."""
 
     slab_bytes: int
+
+    def chunk_tokens(self, num_tokens: int) -> int:
+        """Every labelled token in one group: each GEMM takes them all (and one slab of the vocabulary)."""
+        return max(1, num_tokens)
 
 
 def check_budget(chunk_bytes: int | None, memory: str) -> None:

@@ -54,7 +54,7 @@ def slab_forward(
         rows.labels,
         ignore_index=rows.ignore_index,
         vocab_size=vocab,
-        max_tokens=num_positions,
+        max_tokens=schedule.chunk_tokens,
         backend=backend,
         layout=rows.lay_out(vocab, backend),
     )
