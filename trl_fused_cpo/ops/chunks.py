@@ -61,6 +61,32 @@ def chunked_forward(
     return run.finish()
 
 
+class _FirstSlice:
+    """The first GEMM's rows, gathered before the plan's sync (its size is not known yet): the 2B unlabelled-sum rows
+    (each row's sum of unlabelled hidden states, whose logits sum to that row's unlabelled logits: the ``logits/*``
+    metrics), then the first ``bound`` tokens, the largest first slice the schedule allows. Used once: by the first
+    slice, or, in a batch without a labelled token, for the unlabelled sums alone."""
+
+    def __init__(self, rows: PaddedRows | PackedRows, x_all: torch.Tensor, token_index: torch.Tensor, bound: int):
+        self.extras, self.bound = rows.num_rows, bound
+        x_all = x_all.detach()
+        self.x = torch.empty(self.extras + bound, x_all.shape[-1], device=x_all.device, dtype=x_all.dtype)
+        self.x[: self.extras] = rows.unlabelled_hidden_sums(x_all)
+        torch.index_select(x_all, 0, token_index[:bound], out=self.x[self.extras :])
+
+    def logits(self, e: int, weight, bias, acc_dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(x, logits, unlabelled_sum)`` of tokens ``[0, e)``, one GEMM that also carries the extra rows."""
+        if e > self.bound:
+            raise AssertionError(f"first slice [0, {e}) outside the {self.bound} rows gathered for it")
+        logits = gemm.logits(self.x[: self.extras + e], weight, bias)
+        unlabelled_sum = logits[: self.extras].sum(-1, dtype=acc_dtype)
+        return self.x[self.extras : self.extras + e], logits[self.extras :], unlabelled_sum  # row suffixes: contiguous
+
+    def unlabelled_sums(self, weight, bias, acc_dtype) -> torch.Tensor:
+        """The extra rows' logit sums alone, for a batch whose GEMMs did not carry them (no labelled token)."""
+        return unlabelled_logit_sums(self.x[: self.extras], weight, bias, acc_dtype)
+
+
 class _ChunkedPass:
     """One call's state, shared by its steps: queue the first GEMM's inputs, plan (the one host sync), then each
     group of pairs (frozen or trainable), then the outputs."""
@@ -72,15 +98,11 @@ class _ChunkedPass:
         device = hidden.device
         self.x_all = hidden.reshape(num_positions, hidden_size)
         # Queued before the plan's host sync, so that after it the host launches the first GEMM at once (the GPU
-        # idles from the sync to that launch): the label layout, and the first GEMM's rows, the 2B unlabelled-sum
-        # rows then the first tokens, gathered for the largest first slice the plan can make.
+        # idles from the sync to that launch): the label layout, and the first GEMM's rows.
         self.layout = rows.lay_out(weight.shape[0], backend)
-        self.extras = num_rows
-        self.first_rows = schedule.first_slice_bound(num_positions)
-        self.first_x = torch.empty(self.extras + self.first_rows, hidden_size, device=device, dtype=hidden.dtype)
-        self.first_x[: self.extras] = rows.unlabelled_hidden_sums(self.x_all.detach())
-        index = self.layout.token_index[: self.first_rows]
-        torch.index_select(self.x_all.detach(), 0, index, out=self.first_x[self.extras :])
+        self.first_slice = _FirstSlice(
+            rows, self.x_all, self.layout.token_index, schedule.first_slice_bound(num_positions)
+        )
         # The per-token buffers too, sized by the positions (the labelled count is known only after the sync), and
         # the per-row ones: ≈ 12 allocations that would otherwise stand between the sync and the first GEMM's launch.
         self.acc_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32  # per-token/row math
@@ -90,7 +112,7 @@ class _ChunkedPass:
         # ∂L/∂log p_t per row
         self.row_coef = torch.empty(num_rows, device=device, dtype=self.acc_dtype) if need.any else None
         self.fold = None  # made once the first group needs it: no launch between the sync and the first GEMM
-        self.unlabelled_sum = None  # from the first GEMM's extra rows
+        self.unlabelled_sum = None  # from the first GEMM's extra rows, when _FirstSlice is consumed
         self.dx = self.dw = self.db = None  # allocated once the first GEMM is queued: until then the GPU waits
         self.dw_written = False
 
@@ -113,17 +135,15 @@ class _ChunkedPass:
         self.single_gemm = plan.one_gemm
 
     def slice_logits(self, s: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(x, logits)`` of tokens ``[s, e)``: the first GEMM on the rows gathered before the sync (its extra rows
-        give the unlabelled logit sums), later ones on rows gathered now."""
-        if self.unlabelled_sum is not None:
+        """``(x, logits)`` of tokens ``[s, e)``: the first slice on the rows gathered before the sync (``_FirstSlice``,
+        consumed here), later ones on rows gathered now."""
+        if self.first_slice is None:
             x = self.x_all.index_select(0, self.plan.token_index[s:e])
             return x, gemm.logits(x, self.weight, self.bias)
-        if s != 0 or e > self.first_rows:
-            raise AssertionError(f"first slice [{s}, {e}) outside the {self.first_rows} rows gathered for it")
-        logits = gemm.logits(self.first_x[: self.extras + e], self.weight, self.bias)
-        self.unlabelled_sum = logits[: self.extras].sum(-1, dtype=self.acc_dtype)
-        x, logits = self.first_x[self.extras : self.extras + e], logits[self.extras :]  # row suffixes: contiguous
-        self.first_x = None  # the other slices gather their own rows
+        if s != 0:
+            raise AssertionError(f"slice [{s}, {e}) came first; the plan's slices start at token 0")
+        first, self.first_slice = self.first_slice, None  # the other slices gather their own rows
+        x, logits, self.unlabelled_sum = first.logits(e, self.weight, self.bias, self.acc_dtype)
         return x, logits
 
     def pair_tail(self, group: ChunkGroup) -> None:
@@ -225,9 +245,9 @@ class _ChunkedPass:
         """``(outputs, grads, fold)`` once every group is done."""
         plan, weight, bias = self.plan, self.weight, self.bias
         warn_where_trl_gives_nan(plan.row_counts_host, self.hp)
-        if self.unlabelled_sum is None:  # no labelled token at all: no chunk GEMM carried the extra rows
-            unlabelled_hidden = self.rows.unlabelled_hidden_sums(self.x_all.detach())
-            self.unlabelled_sum = unlabelled_logit_sums(unlabelled_hidden, weight, bias, self.acc_dtype)
+        if self.first_slice is not None:  # no labelled token at all: no chunk GEMM carried the extra rows
+            first, self.first_slice = self.first_slice, None
+            self.unlabelled_sum = first.unlabelled_sums(weight, bias, self.acc_dtype)
         outputs = finish_outputs(
             self.backend, self.stats, plan, self.hp, self.unlabelled_sum, bias, self.rows.row_positions, weight.shape[0]
         )
