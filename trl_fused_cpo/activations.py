@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .ops.schedule import DEFAULT_CHUNK_BYTES_TRAINABLE
+from .packing import PADDED, PREFIX_SHARED
 
 logger = logging.getLogger(__name__)
 
@@ -239,9 +240,9 @@ def largest_batch_positions(dataset, batch_size: int, layout: str) -> int | None
         return None
     if not len(length["chosen"]):
         return None
-    if layout == "padded":
+    if layout == PADDED:
         return 2 * batch_size * int(max(length["chosen"].max(), length["rejected"].max()))
-    shared = np.maximum(length["prompt"] - 1, 0) if layout == "prefix_shared" else 0
+    shared = np.maximum(length["prompt"] - 1, 0) if layout == PREFIX_SHARED else 0
     per_pair = np.sort(length["chosen"] + length["rejected"] - shared)
     return int(per_pair[-batch_size:].sum()) + 128
 
@@ -272,7 +273,7 @@ def plan_for_training(
     batch = args.per_device_train_batch_size
     positions = 2 * batch * max_length
     if dataset is not None and policy == "auto" and memory is not None and not sharded:  # only auto reads it
-        longest = largest_batch_positions(dataset, batch, getattr(args, "batch_layout", "padded"))
+        longest = largest_batch_positions(dataset, batch, getattr(args, "batch_layout", PADDED))
         positions = min(positions, longest or positions)
     estimate = estimate_for(config, positions=positions, dtype_bytes=2 if half else 4)
     chunk = getattr(args, "fused_chunk_bytes", None) or DEFAULT_CHUNK_BYTES_TRAINABLE

@@ -98,7 +98,7 @@ class FusedCPOConfig(CPOConfig):
     )
 
     batch_layout: str = field(
-        default="padded",
+        default=PADDED,
         metadata={
             "help": "How a micro-batch reaches the backbone: 'padded' (TRL's layout: chosen and rejected padded to "
             "one length, every prompt twice), 'padding_free' (every sequence once, packed in one row, no padding) "
