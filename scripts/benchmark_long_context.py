@@ -9,8 +9,8 @@ records every try (peak memory, step time, labelled tok/s, unique-token MFU, los
 
 Trainers: ``stock`` (TRL's ``CPOTrainer``), ``padded`` and ``prefix_shared`` (``FusedCPOTrainer`` with that
 ``batch_layout``). ``--option KEY=VALUE`` sets a config field on every trainer whose config has it (e.g.
-``tiled_mlp_tokens=8192``, ``gradient_checkpointing=false``); a fused trainer whose config lacks a field asked
-for is refused before anything runs (an option this checkout does not have yet). ``--attn`` picks the attention
+``tiled_mlp_tokens=8192``, ``gradient_checkpointing=false``; each record's ``applied_options`` says which ran); a
+field that ``FusedCPOConfig`` lacks is refused before anything runs (an option this checkout does not have yet). ``--attn`` picks the attention
 (``sdpa`` for the padded trainers; ``flex_attention`` for ``prefix_shared`` on CUDA; ``TRAINER=IMPL`` per trainer).
 
 Unique-token MFU (each pair counted once, recompute not counted): ``K·N_nonembed`` a unique position (``K`` = 6 full
@@ -102,6 +102,16 @@ def attention_for(trainer: str, overrides: dict[str, str], cuda: bool) -> str:
     return overrides.get("fused", "sdpa") if trainer == "padded" else "sdpa"
 
 
+def applied_options(trainer: str, options: dict) -> dict:
+    """The options whose field the trainer's config has (stock's ``CPOConfig`` has no fused knobs)."""
+    from trl.experimental.cpo import CPOConfig
+
+    from trl_fused_cpo import FusedCPOConfig
+
+    fields = (CPOConfig if trainer == "stock" else FusedCPOConfig).__dataclass_fields__
+    return {k: v for k, v in options.items() if k in fields}
+
+
 def make_config(spec: dict, output_dir: str, cuda: bool):
     """The trainer's config: TRL's defaults, one pair a step, ``--steps`` steps, the options that apply."""
     from trl.experimental.cpo import CPOConfig
@@ -110,8 +120,6 @@ def make_config(spec: dict, output_dir: str, cuda: bool):
 
     cls = CPOConfig if spec["trainer"] == "stock" else FusedCPOConfig
     extra = {} if spec["trainer"] == "stock" else {"batch_layout": spec["trainer"]}
-    fields = getattr(cls, "__dataclass_fields__", {})
-    options = {k: v for k, v in spec["options"].items() if k in fields}
     return cls(
         **extra,
         output_dir=output_dir,
@@ -129,7 +137,7 @@ def make_config(spec: dict, output_dir: str, cuda: bool):
         disable_tqdm=True,
         use_cpu=not cuda,
         bf16=cuda,
-        **options,
+        **spec["applied_options"],
     )
 
 
@@ -279,6 +287,7 @@ def try_length(model: str, trainer: str, tokens: int, args, deadline: float) -> 
         "max_length": split[0] + max(split[1], split[2]),  # nothing truncated: TRL cuts completions past it
         "steps": args.steps,
         "options": args.options,
+        "applied_options": applied_options(trainer, args.options),
         "attn_implementation": attention_for(trainer, args.attn, args.cuda),
         "device": args.device,
     }
@@ -354,7 +363,8 @@ def search_one(model: str, trainer: str, args, share_s: float, deadline: float) 
     )
     best = next((t for t in tries if t["ok"] and t["tokens"] == found["max_tokens_per_pair"]), {})
     summary = {k: best.get(k) for k in ("peak_gib", "step_s", "labelled_tok_s", "mfu", "attn_implementation")}
-    head = {"model": model, "trainer": trainer, "layout": _layout(trainer), "options": args.options, "cap": cap}
+    head = {"model": model, "trainer": trainer, "layout": _layout(trainer), "cap": cap}
+    head["options"] = applied_options(trainer, args.options)  # what this trainer ran with
     return {**head, **found, **summary, "search_s": time.perf_counter() - t0, "tries": tries}
 
 
@@ -408,13 +418,16 @@ def markdown(results: dict) -> str:
             "",
             f"Fixed lengths ({gpu})",
             "",
-            "| model | trainer | tokens/pair | status | peak GiB | step s | labelled tok/s | MFU | loss (last step) |",
-            "|---|---|---:|---|---:|---:|---:|---:|---:|",
+            "| model | trainer | options | tokens/pair | status | peak GiB | step s | labelled tok/s | MFU | loss (last "
+            "step) |",
+            "|---|---|---|---:|---|---:|---:|---:|---:|---:|",
         ]
         for r in results["fixed"]:
             loss = r.get("losses", [None])[-1] if r.get("losses") else None
+            options = ", ".join(f"{k}={v}" for k, v in r.get("applied_options", {}).items()) or "-"
             lines.append(
-                f"| {r['model']} | {r['trainer']} | {r['tokens']:,} | {r['status']} | {_fmt(r.get('peak_gib'), '.1f')} "
+                f"| {r['model']} | {r['trainer']} | {options} | {r['tokens']:,} | {r['status']} | "
+                f"{_fmt(r.get('peak_gib'), '.1f')} "
                 f"| {_fmt(r.get('step_s'), '.2f')} | {_fmt(r.get('labelled_tok_s'), ',.0f')} | "
                 f"{_fmt(r.get('mfu'), '.1%')} | {_fmt(loss, '.5f')} |"
             )

@@ -70,12 +70,13 @@ def test_search_on_the_toy_model_in_process(tmp_path):
 
 
 def test_fixed_lengths_and_options(tmp_path):
-    argv = ["--models", "toy", "--trainers", "padded", "--mode", "fixed", "--lengths", "40,8192", "--steps", "1",
+    argv = ["--models", "toy", "--trainers", "stock,padded", "--mode", "fixed", "--lengths", "40,8192", "--steps", "1",
             "--option", "tiled_mlp_tokens=16", "--in-process", "--no-plots", "--out", str(tmp_path)]  # fmt: skip
     assert bench.main(argv) == 0
     fixed = json.loads((tmp_path / "results.json").read_text())["fixed"]
-    assert [r["status"] for r in fixed] == ["fits", "beyond context"]  # the toy's context is 4,096
-    assert fixed[0]["options"] == {"tiled_mlp_tokens": 16} and fixed[0]["ok"]
+    assert [r["status"] for r in fixed] == ["fits", "beyond context"] * 2  # the toy's context is 4,096
+    assert fixed[0]["applied_options"] == {} and fixed[2]["applied_options"] == {"tiled_mlp_tokens": 16}  # stock: none
+    assert "| toy | padded | tiled_mlp_tokens=16 | 40 | fits |" in (tmp_path / "results.md").read_text()
     with pytest.raises(SystemExit, match="FusedCPOConfig has no such field"):
         bench.main(["--models", "toy", "--option", "no_such_knob=1", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="unknown model or trainer"):
