@@ -11,7 +11,9 @@ from transformers import LlamaConfig, Qwen2Config
 import trl_fused_cpo.attention as attention
 from trl_fused_cpo import FusedCPOConfig, FusedCPOTrainer
 from trl_fused_cpo.attention import packed_attention_mask, packed_block_mask, packed_mask_mod
+from trl_fused_cpo.collator import PACKED_KEY, PackingCollator, shared_pair
 from trl_fused_cpo.context_length import max_length_refusal, model_context_length
+from trl_fused_cpo.loss import fused_linear_cpo_loss_packed
 from trl_fused_cpo.packing import pack_pairs
 from trl_fused_cpo.toy import load_toy_preferences, toy_model, toy_tokenizer
 
@@ -149,15 +151,24 @@ class _LargestTensor(TorchDispatchMode):
 
 
 def test_long_row_flex_mask_allocates_no_quadratic_tensor():
-    """A 32k-position prefix_shared row (16k : 8k : 8k): packing and its flex BlockMask allocate at most
+    """A 32k-position prefix_shared row (16k : 8k : 8k): the collator's packing, its flex BlockMask and the fused
+    head's loss, metrics and backward allocate at most
     2**22 elements at a time (the [N, N] mask would be 2**30, and the whole row's [N, N / 128] block counts 2**23
     before they were counted a slab at a time); the dense path of the same builder does allocate [N, N]."""
     batch = _long_pair_batch(16_384, 8_191, 8_191)  # shared 16,383 + two branches of 8,192, one tail pad
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(32_768, 8, generator=g, requires_grad=True)
+    weight = torch.randn(40, 8, generator=g, requires_grad=True)
     with _LargestTensor() as flex:
-        packed = pack_pairs(batch, "prefix_shared", pad_token_id=0, pad_to_multiple_of=128)
+        packed = PackingCollator(lambda rows: rows[0], "prefix_shared", 0, "flex_attention")([batch])[PACKED_KEY]
         block_mask = packed_attention_mask(packed, dtype=torch.bfloat16, implementation="flex_attention")
+        out = fused_linear_cpo_loss_packed(  # the head and its metrics on the same row: no [N, N] either
+            hidden, weight, packed.labels, packed.sequence, row_lengths=packed.row_lengths,
+            shared_pair=shared_pair(packed), backend="torch",
+        )  # fmt: skip
+        out.loss.backward()
     n = packed.num_tokens
-    assert n == 32_768 and block_mask.seq_lengths == (n, n)
+    assert n == 32_768 and block_mask.seq_lengths == (n, n) and hidden.grad.abs().sum() > 0
     assert flex.largest <= 1 << 22, flex.largest
     small = pack_pairs(_long_pair_batch(30, 10, 11), "prefix_shared", pad_token_id=0)
     with _LargestTensor() as dense:
