@@ -152,9 +152,9 @@ class _LargestTensor(TorchDispatchMode):
 
 def test_long_row_flex_mask_allocates_no_quadratic_tensor():
     """A 32k-position prefix_shared row (16k : 8k : 8k): the collator's packing, its flex BlockMask and the fused
-    head's loss, metrics and backward allocate at most
-    2**22 elements at a time (the [N, N] mask would be 2**30, and the whole row's [N, N / 128] block counts 2**23
-    before they were counted a slab at a time); the dense path of the same builder does allocate [N, N]."""
+    head's loss, metrics and backward allocate at most 2**22 elements at a time (the [N, N] mask would be 2**30,
+    and the whole row's [N, N / 128] block counts were 2**23 before they were counted a slab at a time); the dense
+    path of the same builder does allocate [N, N]."""
     batch = _long_pair_batch(16_384, 8_191, 8_191)  # shared 16,383 + two branches of 8,192, one tail pad
     g = torch.Generator().manual_seed(5)
     hidden = torch.randn(32_768, 8, generator=g, requires_grad=True)
