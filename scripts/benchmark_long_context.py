@@ -32,7 +32,19 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_common import GIB, MODELS, ROOT, build_model, pick_device, pyplot, run_record, tokenizer_for, write_json
+import torch
+from bench_common import (
+    GIB,
+    MODELS,
+    ROOT,
+    build_model,
+    device_info,
+    pick_device,
+    pyplot,
+    run_record,
+    tokenizer_for,
+    write_json,
+)
 
 TRAINERS = ("stock", "padded", "prefix_shared")
 DEFAULT_PEAK_TFLOPS = 989.0  # dense bf16, H100 SXM and H200
@@ -193,7 +205,7 @@ def run_try(spec: dict) -> dict:
 
     device = pick_device(spec.get("device"))
     cuda = device.type == "cuda"
-    rec = {"ok": False, "oom": False, "status": "error"}
+    rec = {"ok": False, "oom": False, "status": "error", "device_info": device_info(device)}
     timer = _step_timer(cuda)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_long_") as tmp:
@@ -292,7 +304,7 @@ def try_length(model: str, trainer: str, tokens: int, args, deadline: float) -> 
         "device": args.device,
     }
     timeout = max(1.0, min(args.try_timeout_s, deadline - time.perf_counter()))
-    rec = launch(spec, args, Path(args.out) / "logs", timeout)
+    rec = launch(spec, args, Path(args.log_dir), timeout)
     add_rates(rec, spec, args.peak_tflops)
     rec = {**spec, **rec}
     peak = f", peak {rec['peak_gib']:.1f} GiB" if rec.get("peak_gib") is not None else ""
@@ -495,7 +507,11 @@ def parse_args(argv):
     p.add_argument("--device", default="auto")
     p.add_argument("--in-process", action="store_true", help="tries in this process (CPU tests; not OOM-safe)")
     p.add_argument("--no-plots", dest="plots", action="store_false")
-    p.add_argument("--out", default="outputs/long_context")
+    p.add_argument("--out", default="outputs/long_context", help="results.json, results.md, the plot")
+    p.add_argument(
+        "--log-dir",
+        help="each try's log and record (default: a temporary folder; a device call returns only a few files)",
+    )
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -504,6 +520,7 @@ def parse_args(argv):
     if unknown:
         raise SystemExit(f"unknown model or trainer {unknown}: models {list(MODELS)}, trainers {list(TRAINERS)}.")
     args.granularity = max(1, min(args.granularity, args.tolerance))
+    args.log_dir = args.log_dir or tempfile.mkdtemp(prefix="bench_long_logs_")
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.ratio = tuple(int(x) for x in args.ratio.split(":"))
     args.options = _key_values(args.option, "--option")
@@ -530,11 +547,13 @@ def main(argv=None) -> int:
         write_json(args.child_out, rec)
         return 0
     check_options(args)
-    device = pick_device(args.device)
-    args.cuda = device.type == "cuda"
+    # The parent never opens a CUDA context (it would hold GPU memory the tries need): the tries name the device.
+    args.cuda = torch.cuda.is_available() if args.device == "auto" else args.device.startswith("cuda")
     out = Path(args.out)
-    results = {**run_record(device), "mode": args.mode, "ratio": ":".join(map(str, args.ratio)), "steps": args.steps}
-    results.update(options=args.options, attn=args.attn, budget_s=args.budget_s, searches=[], fixed=[])
+    results = {**run_record(torch.device("cpu")), "mode": args.mode, "ratio": ":".join(map(str, args.ratio))}
+    results["steps"] = args.steps
+    results.update(options=args.options, attn=args.attn, budget_s=args.budget_s, log_dir=args.log_dir)
+    results.update(searches=[], fixed=[])
     t0 = time.perf_counter()
     deadline = t0 + args.budget_s
     combos = [(m, t) for m in args.models for t in args.trainers]
@@ -545,6 +564,10 @@ def main(argv=None) -> int:
         share = (deadline - time.perf_counter()) / (len(combos) - i)
         results["searches"].append(search_one(model, trainer, args, share, deadline))
     results["wall_s"] = time.perf_counter() - t0
+    tries = [t for s in results["searches"] for t in s["tries"]] + results["fixed"]
+    info = next((t["device_info"] for t in tries if t.get("device_info")), None)
+    if info is not None:
+        results.update(device=info["name"], device_info=info)
     write_json(out / "results.json", results)
     table = markdown(results)
     (out / "results.md").write_text(table)

@@ -87,7 +87,8 @@ def test_fixed_lengths_and_options(tmp_path):
 def test_a_try_in_a_subprocess(tmp_path):
     """The OOM-safe path: the try runs in a fresh interpreter and its record comes back through a file."""
     argv = ["--models", "toy", "--trainers", "prefix_shared", "--mode", "fixed", "--lengths", "32", "--steps", "1",
-            "--no-plots", "--out", str(tmp_path)]  # fmt: skip
+            "--no-plots", "--out", str(tmp_path), "--log-dir", str(tmp_path / "logs")]  # fmt: skip
     assert bench.main(argv) == 0
     fixed = json.loads((tmp_path / "results.json").read_text())["fixed"]
     assert fixed[0]["status"] == "fits" and (tmp_path / "logs" / "toy_prefix_shared_32.log").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs", "results.json", "results.md"]
