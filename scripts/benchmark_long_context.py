@@ -568,12 +568,13 @@ def main(argv=None) -> int:
     info = next((t["device_info"] for t in tries if t.get("device_info")), None)
     if info is not None:
         results.update(device=info["name"], device_info=info)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.plots:
+        results["plot"] = plot(results, out)
     write_json(out / "results.json", results)
     table = markdown(results)
     (out / "results.md").write_text(table)
     print(table)
-    if args.plots:
-        results["plot"] = plot(results, out)
     return 0
 
 
