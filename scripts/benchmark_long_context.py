@@ -43,6 +43,7 @@ from bench_common import (
     pyplot,
     run_record,
     tokenizer_for,
+    unique_token_flops,
     write_json,
 )
 
@@ -92,15 +93,18 @@ def nonembedding_params(config) -> int:
     return layers * per_layer + d
 
 
-def unique_token_flops(config, prompt: int, chosen: int, rejected: int, labelled: int, full: bool) -> float:
-    """The FLOPs of one pair's training step counted once per unique position (recompute not counted)."""
-    k = 6 if full else 4
-    attention_width = config.num_attention_heads * (getattr(config, "head_dim", None) or 0) or config.hidden_size
-    backbone = k * nonembedding_params(config) * (prompt + chosen + rejected)
-    visible = (prompt + chosen) ** 2 + (prompt + rejected) ** 2 - prompt**2
-    attention = 6 * config.num_hidden_layers * attention_width * visible
-    head = k * config.vocab_size * config.hidden_size * labelled
-    return float(backbone + attention + head)
+def pair_flops(config, prompt: int, chosen: int, rejected: int, labelled: int, full: bool) -> float:
+    """``bench_common.unique_token_flops`` of one pair: its positions counted once, recompute not counted."""
+    return unique_token_flops(
+        n_nonembed=nonembedding_params(config),
+        layers=config.num_hidden_layers,
+        hidden=config.hidden_size,
+        vocab=config.vocab_size,
+        unique=prompt + chosen + rejected,
+        attn_sq=(prompt + chosen) ** 2 + (prompt + rejected) ** 2 - prompt**2,
+        labelled=labelled,
+        frozen=not full,
+    )
 
 
 # ------------------------------------------------------------------------------------------ one try (the child)
@@ -239,7 +243,7 @@ def add_rates(rec: dict, spec: dict, peak_tflops: float) -> None:
         return
     config = build_config(spec["model"])
     step_s = rec["step_times_s"][-1]
-    flops = unique_token_flops(config, *spec["split"], rec["labelled"], full=not MODELS[spec["model"]].get("lora"))
+    flops = pair_flops(config, *spec["split"], rec["labelled"], full=not MODELS[spec["model"]].get("lora"))
     rec["step_s"] = step_s
     rec["labelled_tok_s"] = rec["labelled"] / step_s
     rec["unique_tok_s"] = sum(spec["split"]) / step_s

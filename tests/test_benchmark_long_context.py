@@ -45,7 +45,7 @@ def test_split_and_unique_token_flops():
     assert bench.nonembedding_params(config) == pytest.approx(0.97e9, rel=0.01)  # the published non-embedding count
     assert bench.nonembedding_params(bench.build_config("llama3.1-8b")) == pytest.approx(6.98e9, rel=0.01)
     p, c, r = 4, 2, 2
-    flops = bench.unique_token_flops(config, p, c, r, labelled=4, full=True)
+    flops = bench.pair_flops(config, p, c, r, labelled=4, full=True)
     want = 6 * bench.nonembedding_params(config) * 8 + 6 * 16 * 2048 * (36 + 36 - 16) + 6 * 128_256 * 2048 * 4
     assert flops == want
     assert bench.context_of("llama3.1-8b") == 131_072

@@ -91,11 +91,16 @@ def _loss_and_grads(trainer):
     )
 
 
-@pytest.mark.parametrize("layout", ["padded", "prefix_shared"])
-def test_trainer_with_tiled_mlp_matches_untiled_lora_and_checkpointing(tmp_path, layout):
-    """tiled_mlp_tokens=7 (no row length is a multiple) under LoRA and the model's gradient checkpointing: the same
-    loss, metrics and adapter gradients as the model's own MLP."""
+@pytest.mark.parametrize(
+    "layout,policy", [("padded", None), ("prefix_shared", None), ("prefix_shared", "offload"), ("padded", 1)]
+)
+def test_trainer_with_tiled_mlp_matches_untiled_lora_and_checkpointing(tmp_path, layout, policy):
+    """tiled_mlp_tokens=7 (no row length is a multiple) under LoRA and the model's gradient checkpointing (or an
+    activation_policy: offloaded checkpoints, one checkpointed layer): the same loss, metrics and adapter gradients
+    as the model's own MLP."""
     from peft import LoraConfig
+
+    policy_args = {} if policy is None else {"activation_policy": policy}
 
     def run(tiled):
         lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False)
@@ -106,6 +111,7 @@ def test_trainer_with_tiled_mlp_matches_untiled_lora_and_checkpointing(tmp_path,
             batch_layout=layout,
             gradient_checkpointing=True,
             tiled_mlp_tokens=tiled,
+            **policy_args,
             fused_backend="torch",
         )
         tiled_mlps = [m for m in trainer.model.modules() if "_tiled_mlp_tokens" in m.__dict__]
