@@ -62,6 +62,9 @@ class FusedCPOConfig(CPOConfig):
             checkpointed layers whose estimated activations fit the card, else `"offload"`; elsewhere, and whenever
             `gradient_checkpointing` is set explicitly, `gradient_checkpointing` decides). `activations.py` holds
             the policies and the estimate.
+        tiled_mlp_tokens (`int` or `None`, *optional*, defaults to `None`):
+            Run each decoder MLP over tiles of this many positions when a row is longer, each tile recomputed in the
+            backward, so its `[N, intermediate_size]` tensors never exist whole (`tiled_mlp.py`). `None`: off.
     """
 
     use_fused_loss: bool = field(
