@@ -340,6 +340,22 @@ MODELS: dict[str, dict] = {
         "lora": LORA_ALL_LINEAR,
         "label": "Llama-3-8B, LoRA r=16 all linear",
     },
+    # Llama-3.1-8B: Llama-3-8B's widths with 3.1's RoPE scaling (factor 8 over 8,192) to 131,072 positions.
+    "llama3.1-8b": {
+        "config": dict(
+            hidden_size=4096,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            intermediate_size=14_336,
+            tie_word_embeddings=False,
+            max_position_embeddings=131_072,
+            rope_parameters={**_LLAMA32_ROPE, "factor": 8.0},
+        ),
+        "lora": LORA_ALL_LINEAR,
+        "label": "Llama-3.1-8B, LoRA r=16 all linear",
+    },
     # QLoRA recipe's shape: checkpoint_only (scripts/make_random_checkpoint.py --layers N writes a depth-reduced
     # copy; 80 bf16 layers do not fit one GPU, and the benchmarks build bf16 models).
     "llama3.1-70b": {

@@ -32,6 +32,7 @@ EXPECTED_RECIPES = {
     "recipes/llama3/8B_full_cpo_zero3.yaml",
     "recipes/llama3_1/70B_qlora_cpo_single_device.yaml",
     "recipes/llama3/8B_lora_simpo_single_device.yaml",
+    "recipes/llama3_1/8B_lora_cpo_long_context_single_device.yaml",
 }
 EXPECTED_CONFIGS = {
     "configs/single_gpu.yaml",
@@ -96,11 +97,14 @@ def test_recipe_header_names_its_launch_command(recipe):
         assert launch_config in CONFIGS, f"{recipe} launches with {launch_config}, which is not in configs/"
 
 
-RECIPE_NAME = re.compile(r"recipes/[a-z0-9_]+/\d+B_(full|lora|qlora)_(cpo|simpo)_(single_device|fsdp2|zero3)\.yaml")
+RECIPE_NAME = re.compile(
+    r"recipes/[a-z0-9_]+/\d+B_(full|lora|qlora)_(cpo|simpo)(_long_context)?_(single_device|fsdp2|zero3)\.yaml"
+)
 
 
 def test_recipe_names_follow_one_pattern():
-    """``<family>/<size>_<full|lora|qlora>_<cpo|simpo>_<topology>.yaml``, as torchtune names its configs."""
+    """``<family>/<size>_<full|lora|qlora>_<cpo|simpo>[_long_context]_<topology>.yaml``, as torchtune names its
+    configs (one optional qualifier between the method and the topology)."""
     odd = [r for r in RECIPES if not r.startswith("recipes/dev/") and not RECIPE_NAME.fullmatch(r)]
     assert not odd, f"recipes outside the naming pattern: {odd}"
 
@@ -141,6 +145,7 @@ PACKED_RECIPES = {
     "recipes/llama3/8B_lora_cpo_single_device.yaml",
     "recipes/llama3/8B_lora_simpo_single_device.yaml",
     "recipes/llama3_1/70B_qlora_cpo_single_device.yaml",
+    "recipes/llama3_1/8B_lora_cpo_long_context_single_device.yaml",
 }
 
 

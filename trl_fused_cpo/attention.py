@@ -32,6 +32,7 @@ from torch import nn
 from .packing import CHOSEN, PADDED, PADDING_FREE, REJECTED, PackedBatch
 
 FLEX_BLOCK_SIZE = 128  # torch's default sparse block (flex_attention's kernels tile by it)
+_MASK_SLAB_ELEMENTS = 1 << 22  # [queries, kv blocks] counted at a time by packed_block_mask: 16 MiB of int32
 DENSE_IMPLEMENTATIONS = ("eager", "sdpa")
 VARLEN_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
 
@@ -92,9 +93,9 @@ def _visible_intervals(packed: PackedBatch) -> tuple[torch.Tensor, torch.Tensor,
 def packed_block_mask(packed: PackedBatch, *, block_size: int = FLEX_BLOCK_SIZE):
     """The flex_attention ``BlockMask`` of ``packed``: which ``block_size²`` tiles are empty, full or partial.
 
-    Counts each tile's visible pairs from the per-query intervals (``[N, N / block_size]`` small integers, not
-    ``[N, N]``): 0 -> skipped, all ``block_size²`` -> full (the kernel skips mask_mod), else partial (mask_mod
-    applied).
+    Counts each tile's visible pairs from the per-query intervals, a slab of query blocks at a time (never
+    ``[N, N]``, nor ``[N, N / block_size]``): 0 -> skipped, all ``block_size²`` -> full (the kernel skips
+    mask_mod), else partial (mask_mod applied).
     Equal to ``create_block_mask(packed_mask_mod(packed), 1, 1, N, N)`` (tests/test_attention.py).
     """
     from torch.nn.attention.flex_attention import BlockMask
@@ -109,9 +110,19 @@ def packed_block_mask(packed: PackedBatch, *, block_size: int = FLEX_BLOCK_SIZE)
     def overlap(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
         return (torch.minimum(hi[:, None], k_hi[None]) - torch.maximum(lo[:, None], k_lo[None])).clamp(min=0)
 
-    per_query = overlap(lo1, hi1) + overlap(lo2, hi2)  # [N, nb] int32: 32 MiB at N = 32k
-    per_query = torch.nn.functional.pad(per_query, (0, 0, 0, nb * block_size - n))
-    counts = per_query.view(nb, block_size, nb).sum(1)  # [q block, kv block]
+    pad = nb * block_size - n
+    lo1, hi1, lo2, hi2 = (torch.nn.functional.pad(x, (0, pad)) for x in (lo1, hi1, lo2, hi2))  # [0, 0): none
+    # Query blocks a slab at a time: the [queries, nb] counts of a whole row are quadratic (2 GiB of temporaries at
+    # N = 128k); a slab keeps them near _MASK_SLAB_ELEMENTS whatever N (the [nb, nb] block tables stay).
+    slab = max(1, _MASK_SLAB_ELEMENTS // (block_size * nb)) * block_size
+    counts = torch.cat(
+        [
+            (overlap(lo1[q : q + slab], hi1[q : q + slab]) + overlap(lo2[q : q + slab], hi2[q : q + slab]))
+            .view(-1, block_size, nb)
+            .sum(1)
+            for q in range(0, nb * block_size, slab)
+        ]
+    )  # [q block, kv block]
     # Tiles cut by the row's end are never full (torch pads them with hidden positions): the kernels apply
     # mask_mod there, as on create_block_mask's.
     full = counts == block_size * block_size

@@ -63,6 +63,9 @@ class FusedCPOConfig(CPOConfig):
             checkpointed layers whose estimated activations fit the card, else `"offload"`; elsewhere, and whenever
             `gradient_checkpointing` is set explicitly, `gradient_checkpointing` decides). `activations.py` holds
             the policies and the estimate.
+        tiled_mlp_tokens (`int` or `None`, *optional*, defaults to `None`):
+            Run each decoder MLP over tiles of this many positions when a row is longer, each tile recomputed in the
+            backward, so its `[N, intermediate_size]` tensors never exist whole (`tiled_mlp.py`). `None`: off.
     """
 
     use_fused_loss: bool = field(
@@ -111,6 +114,14 @@ class FusedCPOConfig(CPOConfig):
         },
     )
 
+    tiled_mlp_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "Run each decoder MLP over tiles of this many positions (e.g. 8192) when a row is longer, "
+            "recomputing each tile in the backward, so its [N, intermediate_size] tensors never exist whole "
+            "(tiled_mlp.py; long pairs). Costs one more MLP forward a step. None = off (the model's own MLP)."
+        },
+    )
     activation_policy: str = field(
         default="auto",
         metadata={
@@ -150,6 +161,7 @@ class FusedCPOConfig(CPOConfig):
             raise ValueError(
                 f"batch_layout={self.batch_layout!r} needs use_fused_loss=True: TRL's stock loss reads a padded batch."
             )
+        _check_tiled_mlp(self)
         try:
             check_budget(self.fused_chunk_bytes, self.fused_memory)
         except (TypeError, ValueError) as err:  # name the config's fields, not the functional's arguments
@@ -157,6 +169,18 @@ class FusedCPOConfig(CPOConfig):
             raise type(err)(message) from None
         _adopt_activation_checkpointing(self)
         super().__post_init__()
+
+
+def _check_tiled_mlp(args) -> None:
+    tokens = args.tiled_mlp_tokens
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+        raise ValueError(f"tiled_mlp_tokens must be a positive integer (e.g. 8192) or None (off); got {tokens!r}.")
+    if tokens is not None and args.use_liger_kernel:
+        raise ValueError(
+            "tiled_mlp_tokens with use_liger_kernel: Liger replaces every MLP's forward with its SwiGLU when "
+            "training starts, which would drop the tiling silently. Set one of them: tiled_mlp_tokens: null, or "
+            "use_liger_kernel: false."
+        )
 
 
 def _adopt_activation_checkpointing(args) -> None:

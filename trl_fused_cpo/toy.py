@@ -51,7 +51,7 @@ def toy_config(vocab_size: int, *, tie_word_embeddings: bool = False, **override
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=4096,  # >= CPOConfig's default max_length (1024): the trainer refuses beyond it
         rope_theta=500_000.0,
         rms_norm_eps=1e-5,
         tie_word_embeddings=tie_word_embeddings,

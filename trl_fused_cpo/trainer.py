@@ -21,10 +21,12 @@ from .activations import decoder_layers, install_plan, plan_for_training, plan_l
 from .attention import packed_attention_mask, packing_unsupported_reason
 from .collator import PACKED_KEY, PackingCollator
 from .config import fused_options
+from .context_length import max_length_refusal
 from .distributed import install_fused_forward
 from .loss import CPOLossOutput, fused_linear_cpo_loss, fused_linear_cpo_loss_packed
 from .ops.grad_scale import GradScaleGuess
 from .packing import PADDED, PackedBatch
+from .tiled_mlp import apply_tiled_mlp
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +112,12 @@ class FusedCPOTrainer(CPOTrainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        refusal = max_length_refusal(self.model, self.max_length)  # the lead moves this into support.py
+        if refusal is not None:
+            raise ValueError(refusal)
+        tiled_mlp_tokens = getattr(self.args, "tiled_mlp_tokens", None)  # a plain CPOConfig has none
+        if tiled_mlp_tokens is not None:  # the backbone's memory, under either loss: before the fallbacks
+            apply_tiled_mlp(self.model, tiled_mlp_tokens)
         self._apply_activation_policy()
         options = fused_options(self.args)
         self.use_fused_loss = options["use_fused_loss"]
