@@ -18,61 +18,16 @@ from torch import nn
 from trl.experimental.cpo import CPOTrainer
 
 from .activations import decoder_layers, install_plan, plan_for_training, plan_line
-from .attention import packed_attention_mask, packing_unsupported_reason
+from .attention import packed_attention_mask
 from .collator import PACKED_KEY, PackingCollator, shared_pair
 from .config import fused_options
 from .distributed import call_through_head, install_fused_forward
 from .loss import CPOLossOutput, fused_linear_cpo_loss, fused_linear_cpo_loss_packed
 from .ops.grad_scale import GradScaleGuess
 from .packing import PackedBatch
+from .support import _causal_lm, packing_unsupported_reason, unsupported_reason
 
 logger = logging.getLogger(__name__)
-
-
-def _causal_lm(model: nn.Module) -> nn.Module:
-    """The ``*ForCausalLM`` inside a PEFT wrapper (or the model itself)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def unsupported_reason(model: nn.Module) -> str | None:
-    """Why the fused loss would train ``model`` wrongly, with the fix; None when it is fine."""
-    peft_config = getattr(model, "peft_config", None)
-    if isinstance(peft_config, dict):
-        for name, cfg in peft_config.items():
-            if getattr(cfg, "is_prompt_learning", False):
-                return (
-                    f"PEFT adapter {name!r} is prompt learning ({type(cfg).__name__}), which prepends virtual tokens "
-                    "and changes the sequence length the labels align to. Use LoRA, or set use_fused_loss=False."
-                )
-    lm = _causal_lm(model)
-    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
-    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
-        return f"{type(lm).__name__} has no output embedding with a .weight to read. Set use_fused_loss=False."
-    if not head.weight.is_floating_point():
-        return (
-            f"lm_head.weight is quantized ({type(head.weight).__name__}, {head.weight.dtype}); the fused loss reads it "
-            "as a dense matrix. Keep lm_head unquantized (bitsandbytes skips it by default) or set use_fused_loss=False."
-        )
-    if hasattr(head, "lora_A") or hasattr(head, "base_layer"):
-        return (
-            "FusedCPOTrainer reads lm_head.weight directly, so a LoRA adapter on lm_head would never train. "
-            "Remove 'lm_head' from the LoRA target modules (peft's 'all-linear' already leaves it out), or set "
-            "use_fused_loss=False."
-        )
-    text_config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
-    if getattr(text_config, "final_logit_softcapping", None) is not None:
-        return (
-            f"{text_config.model_type} applies a final logit softcap, which the fused loss does not apply. "
-            "Set use_fused_loss=False for this model."
-        )
-    for key in ("logit_scale", "logits_scaling", "output_multiplier", "lm_head_multiplier"):
-        value = getattr(text_config, key, None)
-        if value is not None and value != 1:
-            return (
-                f"{text_config.model_type} scales its logits ({key}={value}), which the fused loss does not apply. "
-                "Set use_fused_loss=False for this model."
-            )
-    return None
 
 
 @dataclass
