@@ -18,14 +18,14 @@ from torch import nn
 from trl.experimental.cpo import CPOTrainer
 
 from .activations import decoder_layers, install_plan, plan_for_training, plan_line
-from .attention import packed_attention_mask
+from .attention import FLEX_BLOCK_SIZE, packed_attention_mask
 from .collator import PACKED_KEY, PackingCollator, shared_pair
 from .config import fused_options
 from .distributed import call_through_head, install_fused_forward
 from .loss import CPOLossOutput, fused_linear_cpo_loss, fused_linear_cpo_loss_packed
 from .ops.grad_scale import GradScaleGuess
 from .packing import PackedBatch
-from .support import _causal_lm, packing_unsupported_reason, unsupported_reason
+from .support import check_model_runs_exactly, packing_unsupported_reason, unsupported_reason, unwrap_causal_lm
 
 logger = logging.getLogger(__name__)
 
@@ -98,10 +98,14 @@ class FusedCPOTrainer(CPOTrainer):
             self.use_fused_loss = False
             return
         reason = unsupported_reason(self.model) or packing_unsupported_reason(
-            self.model, self.batch_layout, max_length=self.max_length
+            self.model, self.batch_layout, max_length=self.max_length, max_row_tokens=self._max_row_tokens()
         )
         if reason is not None:
             raise ValueError(reason)
+        # Before any weight changes: the fused head and the packed row proven on the model's own forward.
+        check_model_runs_exactly(
+            self.model, self.batch_layout, pad_token_id=self.pad_token_id, implementation=self._attn_implementation()
+        )
         self._ensure_fused_forward(self.model)
         if self.batch_layout != "padded":
             self._packing = PackingCollator(
@@ -129,11 +133,19 @@ class FusedCPOTrainer(CPOTrainer):
                 "reads a padded batch. Set batch_layout: padded."
             )
 
+    def _max_row_tokens(self) -> int | None:
+        """The longest packed row: every pair of the larger micro-batch at ``max_length`` twice, plus flex's tail."""
+        if self.batch_layout == "padded" or self.max_length is None:
+            return None
+        pairs = max(self.args.per_device_train_batch_size, self.args.per_device_eval_batch_size)
+        tail = FLEX_BLOCK_SIZE - 1 if self._attn_implementation() == "flex_attention" else 0
+        return pairs * 2 * self.max_length + tail
+
     def _unwrapped_lm(self, model: nn.Module) -> nn.Module:
         """The ``*ForCausalLM`` inside ``model``'s wrappers. ``keep_torch_compile=False``: patching torch.compile's
         wrapper ran the backbone uncompiled, and its forward then called the compiled model, which called it again
         (RecursionError on any call without labels)."""
-        return _causal_lm(self.accelerator.unwrap_model(model, keep_torch_compile=False))
+        return unwrap_causal_lm(self.accelerator.unwrap_model(model, keep_torch_compile=False))
 
     def _attn_implementation(self) -> str:
         return getattr(self._unwrapped_lm(self.model).config, "_attn_implementation", None) or "eager"
