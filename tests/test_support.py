@@ -126,3 +126,15 @@ def test_the_probe_is_skipped_with_one_line_where_the_model_cannot_run(caplog):
     with caplog.at_level(logging.INFO, logger="trl_fused_cpo.support"):
         check_model_runs_exactly(model, "prefix_shared", pad_token_id=0, implementation="sdpa")
     assert [r.message for r in caplog.records if "probe is skipped" in r.message] and len(caplog.records) == 1
+
+
+def test_benchmark_probe_smoke(tmp_path):
+    """scripts/benchmark_probe.py at the toy shape on CPU (the GPU command runs the Llama-3-8B shape)."""
+    from conftest import load_script
+
+    out = tmp_path / "probe.json"
+    result = load_script("benchmark_probe").main(
+        ["--shape", "toy", "--device", "cpu", "--dtype", "float32", "--implementations", "sdpa", "--repeats", "1",
+         "--out", str(out)]
+    )  # fmt: skip
+    assert out.exists() and [r["layout"] for r in result["rows"]] == ["padded", "padding_free", "prefix_shared"]
