@@ -159,6 +159,11 @@ def packing_unsupported_reason(
                 f"{type(module).__name__}.forward takes no position_ids; a packed row needs each segment's own "
                 f"positions (the rejected branch continues the prompt's). {fix}"
             )
+    return _implementation_refusal(config, layout, fix)
+
+
+def _implementation_refusal(config, layout: str, fix: str) -> str | None:
+    """Why ``config``'s attention implementation cannot take ``layout``'s packed mask, else None."""
     implementation = getattr(config, "_attn_implementation", None) or "eager"
     if implementation in VARLEN_IMPLEMENTATIONS:
         return None if layout == "padding_free" else _varlen_refusal(implementation)
