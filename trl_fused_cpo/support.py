@@ -276,8 +276,9 @@ def _head_parent(lm: nn.Module, head: nn.Module) -> nn.Module | None:
 
 # ------------------------------------------------------------------------------------------------------ the probe
 
-# (prompt, chosen, rejected) lengths of the probe's two pairs: 22 tokens on the padded path's 4 rows of 9 positions,
-# a packed row of 17 (prefix_shared) or 26 (padding_free). Ragged on purpose: padding, a longer rejected branch.
+# (prompt, chosen, rejected) lengths of the probe's two pairs: 30 tokens on the padded path's 4 rows of 9 positions,
+# a packed row of 24 (prefix_shared, groups of 13 and 11) or 30 (padding_free). Ragged on purpose: padding, a
+# rejected branch longer than its chosen one.
 PROBE_PAIRS = ((5, 4, 3), (3, 2, 5))
 # Largest |difference| accepted, relative to 1 + |the model's value|: a dtype's noise between two exact computations
 # (bf16: the packed row's attention runs another kernel, ~1e-2 on a random-init 8B), far below a wrong position or
