@@ -15,6 +15,9 @@ from .collator import PackingCollator
 
 logger = logging.getLogger(__name__)
 
+# Config keys of a final tanh softcap on the logits (Gemma-2/3: final_logit_softcapping; RecurrentGemma).
+_SOFTCAP_KEYS = ("final_logit_softcapping", "logits_soft_cap")
+
 # Model types that build their attention mask or bias from a 2D attention_mask, so a packed 4D mask or BlockMask
 # crashes them (openai-gpt: "permute(sparse_coo)", seen at transformers 5.25).
 _2D_MASK_MODEL_TYPES = frozenset({"openai-gpt"})
@@ -66,10 +69,18 @@ def unsupported_reason(model: nn.Module) -> str | None:
             "Remove 'lm_head' from the LoRA target modules (peft's 'all-linear' already leaves it out), or set "
             "use_fused_loss=False."
         )
-    text_config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
-    if getattr(text_config, "final_logit_softcapping", None) is not None:
+    if getattr(lm, "base_model", lm) is lm:
         return (
-            f"{text_config.model_type} applies a final logit softcap, which the fused loss does not apply. "
+            f"{type(lm).__name__}.base_model is the model itself (its base_model_prefix names no submodule), so "
+            "the fused forward cannot run the backbone alone to read its hidden states. "
+            "Set use_fused_loss=False for this model."
+        )
+    text_config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+    softcap = next((k for k in _SOFTCAP_KEYS if getattr(text_config, k, None) is not None), None)
+    if softcap is not None:
+        return (
+            f"{text_config.model_type} applies a final logit softcap ({softcap}={getattr(text_config, softcap)}), "
+            "which the fused loss does not apply. "
             "Set use_fused_loss=False for this model."
         )
     for key in ("logit_scale", "logits_scaling", "output_multiplier", "lm_head_multiplier"):
@@ -350,7 +361,13 @@ def _worst(got: torch.Tensor, want: torch.Tensor) -> float:
 def _check_head(lm: nn.Module, ids: torch.Tensor, mask: torch.Tensor, logits: torch.Tensor, tol: float) -> None:
     """(a) the fused head's logits (backbone, ``head_transform``, weight, bias) equal the model's own."""
     head = lm.get_output_embeddings()
-    hidden = lm.base_model(ids, attention_mask=mask, use_cache=False).last_hidden_state.to(head.weight.device)
+    try:  # as distributed._fused_forward runs it
+        hidden = lm.base_model(ids, attention_mask=mask, use_cache=False).last_hidden_state.to(head.weight.device)
+    except Exception as err:  # the model's own error, attached
+        raise ValueError(
+            f"{type(lm).__name__}: the fused forward runs the backbone (model.base_model) alone and reads its "
+            f"last_hidden_state, which fails on a probe batch: {type(err).__name__}: {err}. Set use_fused_loss=False."
+        ) from err
     transform = head_transform(lm)
     if transform is not None:
         hidden = transform(hidden)
