@@ -96,8 +96,8 @@ FAMILIES = {
         PACKED,
     ),  # fmt: skip
     "minimax": ("MiniMaxForCausalLM", "MiniMaxConfig", dict(num_local_experts=2), PACKED),
-    # Refused by the probe alone (no static rule names them): Electra's generator head sits beside its decoder,
-    # not above it; Llama4's base_model_prefix names no submodule (the backbone cannot run alone).
+    # Electra's generator head sits beside its decoder, not above it: refused by the probe alone (no static rule
+    # names it). Llama4ForCausalLM's base_model_prefix names no submodule (the backbone cannot run alone): refused.
     "electra": ("ElectraForCausalLM", "ElectraConfig", dict(is_decoder=True, embedding_size=32), ALL),
     "llama4": ("Llama4ForCausalLM", "Llama4TextConfig", dict(num_local_experts=2, intermediate_size_mlp=64), ALL),
     # The five of issue #37: BERT/RoBERTa's head transform runs (every layout equals stock but RoBERTa packed,
