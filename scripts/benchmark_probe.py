@@ -42,8 +42,13 @@ def make_parser() -> argparse.ArgumentParser:
 def build(shape: str, device: str, dtype: torch.dtype, implementation: str) -> LlamaForCausalLM:
     config = LlamaConfig(**SHAPES[shape], max_position_embeddings=8192, pad_token_id=0)
     config._attn_implementation = implementation
-    with torch.device(device):
-        return LlamaForCausalLM(config).to(dtype)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in its dtype: an fp32 8B first would need 32 GB more
+    try:
+        with torch.device(device):
+            return LlamaForCausalLM(config).to(dtype)
+    finally:
+        torch.set_default_dtype(default)
 
 
 def timed(fn) -> float:
