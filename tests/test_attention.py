@@ -23,9 +23,9 @@ from trl_fused_cpo.attention import (
     packed_attention_mask,
     packed_block_mask,
     packed_mask_mod,
-    packing_unsupported_reason,
 )
 from trl_fused_cpo.packing import pack_pairs
+from trl_fused_cpo.support import packing_unsupported_reason
 from trl_fused_cpo.toy import toy_model, toy_vocab
 
 

@@ -16,6 +16,8 @@ from dataclasses import fields
 import torch
 from torch import nn
 
+from .support import head_transform
+
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # torch built without distributed
@@ -135,6 +137,9 @@ def _fused_forward(cls: type) -> Callable[..., object]:
         outputs = self.base_model(*args, **kwargs)
         head = self.get_output_embeddings()
         hidden = outputs.last_hidden_state.to(head.weight.device)
+        transform = head_transform(self)  # BERT/RoBERTa: dense, activation, LayerNorm before the decoder
+        if transform is not None:
+            hidden = transform(hidden)
         return call_through_head(head, self._fused_cpo_head, hidden, fused_cpo_labels.to(hidden.device))
 
     return forward

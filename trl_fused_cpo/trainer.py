@@ -18,7 +18,7 @@ from torch import nn
 from trl.experimental.cpo import CPOTrainer
 
 from .activations import decoder_layers, install_plan, plan_for_training, plan_line
-from .attention import packed_attention_mask, packing_unsupported_reason
+from .attention import FLEX_BLOCK_SIZE, packed_attention_mask
 from .collator import PACKED_KEY, PackingCollator
 from .config import fused_options
 from .context_length import max_length_refusal
@@ -26,55 +26,10 @@ from .distributed import install_fused_forward
 from .loss import CPOLossOutput, fused_linear_cpo_loss, fused_linear_cpo_loss_packed
 from .ops.grad_scale import GradScaleGuess
 from .packing import PADDED, PackedBatch
+from .support import check_model_runs_exactly, packing_unsupported_reason, unsupported_reason, unwrap_causal_lm
 from .tiled_mlp import apply_tiled_mlp
 
 logger = logging.getLogger(__name__)
-
-
-def _causal_lm(model: nn.Module) -> nn.Module:
-    """The ``*ForCausalLM`` inside a PEFT wrapper (or the model itself)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def unsupported_reason(model: nn.Module) -> str | None:
-    """Why the fused loss would train ``model`` wrongly, with the fix; None when it is fine."""
-    peft_config = getattr(model, "peft_config", None)
-    if isinstance(peft_config, dict):
-        for name, cfg in peft_config.items():
-            if getattr(cfg, "is_prompt_learning", False):
-                return (
-                    f"PEFT adapter {name!r} is prompt learning ({type(cfg).__name__}), which prepends virtual tokens "
-                    "and changes the sequence length the labels align to. Use LoRA, or set use_fused_loss=False."
-                )
-    lm = _causal_lm(model)
-    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
-    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
-        return f"{type(lm).__name__} has no output embedding with a .weight to read. Set use_fused_loss=False."
-    if not head.weight.is_floating_point():
-        return (
-            f"lm_head.weight is quantized ({type(head.weight).__name__}, {head.weight.dtype}); the fused loss reads it "
-            "as a dense matrix. Keep lm_head unquantized (bitsandbytes skips it by default) or set use_fused_loss=False."
-        )
-    if hasattr(head, "lora_A") or hasattr(head, "base_layer"):
-        return (
-            "FusedCPOTrainer reads lm_head.weight directly, so a LoRA adapter on lm_head would never train. "
-            "Remove 'lm_head' from the LoRA target modules (peft's 'all-linear' already leaves it out), or set "
-            "use_fused_loss=False."
-        )
-    text_config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
-    if getattr(text_config, "final_logit_softcapping", None) is not None:
-        return (
-            f"{text_config.model_type} applies a final logit softcap, which the fused loss does not apply. "
-            "Set use_fused_loss=False for this model."
-        )
-    for key in ("logit_scale", "logits_scaling", "output_multiplier", "lm_head_multiplier"):
-        value = getattr(text_config, key, None)
-        if value is not None and value != 1:
-            return (
-                f"{text_config.model_type} scales its logits ({key}={value}), which the fused loss does not apply. "
-                "Set use_fused_loss=False for this model."
-            )
-    return None
 
 
 @dataclass
@@ -112,7 +67,7 @@ class FusedCPOTrainer(CPOTrainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        refusal = max_length_refusal(self.model, self.max_length)  # the lead moves this into support.py
+        refusal = max_length_refusal(self.model, self.max_length)
         if refusal is not None:
             raise ValueError(refusal)
         tiled_mlp_tokens = getattr(self.args, "tiled_mlp_tokens", None)  # a plain CPOConfig has none
@@ -146,10 +101,14 @@ class FusedCPOTrainer(CPOTrainer):
             self.use_fused_loss = False
             return
         reason = unsupported_reason(self.model) or packing_unsupported_reason(
-            self.model, self.batch_layout, max_length=self.max_length
+            self.model, self.batch_layout, max_length=self.max_length, max_row_tokens=self._max_row_tokens()
         )
         if reason is not None:
             raise ValueError(reason)
+        # Before any weight changes: the fused head and the packed row proven on the model's own forward.
+        check_model_runs_exactly(
+            self.model, self.batch_layout, pad_token_id=self.pad_token_id, implementation=self._attn_implementation()
+        )
         self._ensure_fused_forward(self.model)
         if self.batch_layout != PADDED:
             self._packing = PackingCollator(
@@ -177,11 +136,19 @@ class FusedCPOTrainer(CPOTrainer):
                 "reads a padded batch. Set batch_layout: padded."
             )
 
+    def _max_row_tokens(self) -> int | None:
+        """The longest packed row: every pair of the larger micro-batch at ``max_length`` twice, plus flex's tail."""
+        if self.batch_layout == PADDED or self.max_length is None:
+            return None
+        pairs = max(self.args.per_device_train_batch_size, self.args.per_device_eval_batch_size)
+        tail = FLEX_BLOCK_SIZE - 1 if self._attn_implementation() == "flex_attention" else 0
+        return pairs * 2 * self.max_length + tail
+
     def _unwrapped_lm(self, model: nn.Module) -> nn.Module:
         """The ``*ForCausalLM`` inside ``model``'s wrappers. ``keep_torch_compile=False``: patching torch.compile's
         wrapper ran the backbone uncompiled, and its forward then called the compiled model, which called it again
         (RecursionError on any call without labels)."""
-        return _causal_lm(self.accelerator.unwrap_model(model, keep_torch_compile=False))
+        return unwrap_causal_lm(self.accelerator.unwrap_model(model, keep_torch_compile=False))
 
     def _attn_implementation(self) -> str:
         return getattr(self._unwrapped_lm(self.model).config, "_attn_implementation", None) or "eager"
