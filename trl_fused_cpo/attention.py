@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from .packing import CHOSEN, REJECTED, PackedBatch
+from .varlen_attention import IMPLEMENTATION as FUSED_VARLEN_IMPLEMENTATION
 
 FLEX_BLOCK_SIZE = 128  # torch's default sparse block (flex_attention's kernels tile by it)
 DENSE_IMPLEMENTATIONS = ("eager", "sdpa")
@@ -144,6 +145,7 @@ def packed_attention_mask(packed: PackedBatch, *, dtype: torch.dtype, implementa
         ``eager``/``sdpa``: ``[1, 1, N, N]`` ``dtype`` tensor, 0 visible and ``finfo(dtype).min`` hidden.
         ``flex_attention``: a ``BlockMask`` (see :func:`packed_block_mask`).
         ``flash_attention_*``: ``None`` for ``padding_free`` (varlen from ``position_ids``).
+        ``fused_cpo_varlen``: ``None`` (the segments travel as ``varlen_attention.VarlenTables``).
 
     Raises:
         ValueError: ``prefix_shared`` with flash attention, or an implementation this module does not know.
@@ -154,6 +156,8 @@ def packed_attention_mask(packed: PackedBatch, *, dtype: torch.dtype, implementa
         return mask[None, None]
     if implementation == "flex_attention":
         return packed_block_mask(packed)
+    if implementation == FUSED_VARLEN_IMPLEMENTATION:
+        return None
     if implementation in VARLEN_IMPLEMENTATIONS:
         if packed.layout == "padding_free":
             return None
@@ -261,7 +265,7 @@ def packing_unsupported_reason(model: nn.Module, layout: str, *, max_length: int
     implementation = getattr(config, "_attn_implementation", None) or "eager"
     if implementation in VARLEN_IMPLEMENTATIONS:
         return None if layout == "padding_free" else _varlen_refusal(implementation)
-    if implementation not in DENSE_IMPLEMENTATIONS + ("flex_attention",):
+    if implementation not in DENSE_IMPLEMENTATIONS + ("flex_attention", FUSED_VARLEN_IMPLEMENTATION):
         return (
             f"attn_implementation={implementation!r} is not one packing can pass a mask to (eager, sdpa, "
             "flex_attention; flash-attention varlen for padding_free): transformers builds no mask for custom "

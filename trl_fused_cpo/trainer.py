@@ -25,6 +25,8 @@ from .distributed import call_through_head, install_fused_forward
 from .loss import CPOLossOutput, fused_linear_cpo_loss, fused_linear_cpo_loss_packed
 from .ops.grad_scale import GradScaleGuess
 from .packing import PackedBatch
+from .varlen_attention import IMPLEMENTATION as FUSED_VARLEN_IMPLEMENTATION
+from .varlen_attention import TABLES_KWARG, varlen_tables
 
 logger = logging.getLogger(__name__)
 
@@ -255,13 +257,19 @@ class FusedCPOTrainer(CPOTrainer):
         packed = batch.get(PACKED_KEY)
         if packed is None:  # a batch that did not come through the trainer's collator: pack it as that would
             packed = self._packing.pack(batch)
+        implementation = self._attn_implementation()
+        extra = {}
+        if implementation == FUSED_VARLEN_IMPLEMENTATION:  # segment tables from the collator, else built here
+            tables = batch.get(TABLES_KWARG) or varlen_tables(packed)
+            extra[TABLES_KWARG] = tables.to(self.accelerator.device, non_blocking=True)
         packed = packed.to(self.accelerator.device)
         embeddings = self._unwrapped_lm(model).get_input_embeddings()
-        mask = packed_attention_mask(packed, dtype=embeddings.weight.dtype, implementation=self._attn_implementation())
+        mask = packed_attention_mask(packed, dtype=embeddings.weight.dtype, implementation=implementation)
         return model(
             packed.input_ids,
             position_ids=packed.position_ids,
             attention_mask=mask,
             use_cache=False,
             fused_cpo_labels=packed,
+            **extra,
         )
