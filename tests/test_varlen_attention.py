@@ -194,3 +194,16 @@ def test_trainer_trains_and_evaluates(tmp_path):
         logs[model.config._attn_implementation] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         logs[model.config._attn_implementation].append(trainer.evaluate()["eval_loss"])
     assert logs[IMPLEMENTATION] == pytest.approx(logs["sdpa"], rel=1e-5)
+
+
+def test_benchmark_script_runs_at_toy_size(tmp_path):
+    """scripts/benchmark_attention.py end to end on the CPU (--quick): the varlen route checked and timed."""
+    import json
+
+    from conftest import load_script
+
+    assert load_script("benchmark_attention").main(["--quick", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "attention.json").read_text())["results"]
+    varlen = next(r for r in results if r["route"] == "varlen")
+    assert varlen["status"] == "ok" and max(varlen["rel_error"].values()) < 1e-6
+    assert (tmp_path / "attention.md").read_text().count("| prefix_shared |") >= 2
