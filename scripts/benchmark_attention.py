@@ -8,7 +8,9 @@ packed ``prefix_shared`` (and ``padding_free`` with ``--layouts``); heads ``32/8
 - ``flex``: flex_attention compiled once with a static shape over the project's ``packed_block_mask`` (the row
   padded to 128, as the collator pads it); ``flex_tuned``: the same with measured ``kernel_options`` candidates.
 - ``varlen``: ``fused_cpo_varlen``, exactly what the trainer calls (transformers' attention-interface function:
-  the transposes, the K/V gather, PyTorch's flash varlen).
+  the transposes, the K/V gather, PyTorch's flash varlen); ``varlen[native-gqa]`` / ``varlen[expanded-gqa]``: the
+  flash call alone with FA2 given the 8 key/value heads as they are, or expanded to 32 (what ``auto`` picks where
+  torch's ``varlen_attn`` has no ``enable_gqa``).
 - ``cudnn_ragged``: cuDNN through ``aten._cudnn_attention_forward`` with ragged offsets (private op), every
   segment made square (the rejected segment's queries re-include the prompt's, outputs dropped: top-left causal
   then equals bottom-right) at the price of the prompt's ``P^2/2`` pairs once more per pair.
@@ -98,6 +100,16 @@ def route_varlen(packed, tables, device, **_):
         return out[0]
 
     return fn, None
+
+
+def route_varlen_gqa(packed, tables, device, *, gqa="native", **_):
+    """The flash varlen call alone (no interface transposes) with the K/V heads native or expanded."""
+    from trl_fused_cpo.varlen_attention import flash_varlen_attention
+
+    if device.type != "cuda":
+        raise RuntimeError("flash varlen needs CUDA")
+    tables = tables.to(device)
+    return (lambda q, k, v: flash_varlen_attention(q, k, v, tables, gqa=gqa)), None
 
 
 def route_flex(packed, tables, device, *, flex_row, kernel_options=None, compiled=None, **_):
@@ -293,7 +305,12 @@ def routes(device, heads, args) -> list[tuple[str, object, dict]]:
     from torch.nn.attention.flex_attention import flex_attention
 
     compiled = torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else None
-    out = [("varlen", route_varlen, {}), ("flex", route_flex, {"compiled": compiled})]
+    out = [
+        ("varlen", route_varlen, {}),
+        ("varlen[native-gqa]", route_varlen_gqa, {"gqa": "native"}),
+        ("varlen[expanded-gqa]", route_varlen_gqa, {"gqa": "expand"}),
+        ("flex", route_flex, {"compiled": compiled}),
+    ]
     for i, options in enumerate(args.flex_options if device.type == "cuda" else ()):
         out.append((f"flex_tuned[{i}]", route_flex, {"compiled": compiled, "kernel_options": options}))
     out += [

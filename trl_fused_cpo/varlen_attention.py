@@ -148,21 +148,32 @@ def _varlen_attn_parameters() -> frozenset[str] | None:
 
 
 def flash_varlen_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tables: VarlenTables, *, scale: float | None = None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    tables: VarlenTables,
+    *,
+    scale: float | None = None,
+    gqa: str = "auto",
 ) -> torch.Tensor:
-    """PyTorch's flash varlen over the gathered keys, causal (bottom-right), GQA native where the release takes
-    ``enable_gqa`` (2.12+), else the key/value heads expanded. Shapes as :func:`varlen_attention_reference`."""
+    """PyTorch's flash varlen over the gathered keys, causal (bottom-right). Shapes as
+    :func:`varlen_attention_reference`.
+
+    ``gqa``: ``"auto"`` passes ``enable_gqa`` where the release takes it (2.12+) and expands the key/value heads
+    where it does not; ``"native"`` hands FA2 the unexpanded heads either way (its kernels take ``H % H_kv == 0``;
+    scripts/benchmark_attention.py checks and times it); ``"expand"`` always expands.
+    """
     from torch.nn.attention.varlen import varlen_attn
 
     params = _varlen_attn_parameters()
     key, value = gather_keys(key, value, tables)
     kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}  # 2.10: is_causal=
     if query.shape[1] != key.shape[1]:
-        if "enable_gqa" in params:
-            kwargs["enable_gqa"] = True
-        else:
+        if gqa == "expand" or (gqa == "auto" and "enable_gqa" not in params):
             groups = query.shape[1] // key.shape[1]
             key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+        elif "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
     if scale is not None and "scale" not in params:  # 2.10 has no scale=: fold it into the queries
         query = query * (scale * query.shape[-1] ** 0.5)
     elif scale is not None:
