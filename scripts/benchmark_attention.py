@@ -138,40 +138,22 @@ def square_segments(tables: VarlenTables, n: int) -> tuple[torch.Tensor, torch.T
     return key_index, out_index, [cu_k[s + 1] - cu_k[s] for s in segments]
 
 
-class _CudnnRagged(torch.autograd.Function):
-    """cuDNN's ragged (THD) attention, causal, square segments: the private aten ops, called by schema name."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu, max_len):
-        out = torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, max_len, max_len, True, 0.0, True, False)
-        ctx.save_for_backward(q, k, v, out[0], out[1], out[6], out[7], cu)
-        ctx.max_len = max_len
-        return out[0]
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, o, lse, seed, offset, cu = ctx.saved_tensors
-        m = ctx.max_len
-        bias = torch.empty(0, device=q.device, dtype=q.dtype)
-        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
-            grad.contiguous(), q, k, v, o, lse, seed, offset, bias, cu, cu, m, m, 0.0, True
-        )
-        return dq, dk, dv, None, None
-
-
-def route_cudnn_ragged(packed, tables, device, **_):
+def route_cudnn_ragged(packed, tables, device, *, expand=True, **_):
+    """cuDNN's ragged (THD) attention through the private aten op (autograd: its registered backward), causal over
+    square segments; ``expand``: the K/V heads repeated (else cuDNN gets them as they are)."""
     if device.type != "cuda":
         raise RuntimeError("cuDNN needs CUDA")
     index, out_index, lengths = square_segments(tables, packed.num_tokens)
     index, out_index = index.to(device), out_index.to(device)
     cu = torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
-    own = sum(n * (n + 1) // 2 for n in lengths)
+    own, longest = sum(n * (n + 1) // 2 for n in lengths), max(lengths)
 
     def fn(q, k, v):
-        groups = q.shape[1] // k.shape[1]
         qg, kg, vg = (t.index_select(0, index) for t in (q, k, v))
-        kg, vg = kg.repeat_interleave(groups, 1), vg.repeat_interleave(groups, 1)  # GQA expanded: safe for cuDNN
-        return _CudnnRagged.apply(qg, kg, vg, cu, max(lengths)).index_select(0, out_index)
+        if expand:
+            kg, vg = (t.repeat_interleave(q.shape[1] // k.shape[1], 1) for t in (kg, vg))
+        out = torch.ops.aten._cudnn_attention_forward(qg, kg, vg, None, cu, cu, longest, longest, True, 0.0, True)
+        return out[0].index_select(0, out_index)
 
     return fn, own
 
@@ -314,7 +296,8 @@ def routes(device, heads, args) -> list[tuple[str, object, dict]]:
     for i, options in enumerate(args.flex_options if device.type == "cuda" else ()):
         out.append((f"flex_tuned[{i}]", route_flex, {"compiled": compiled, "kernel_options": options}))
     out += [
-        ("cudnn_ragged", route_cudnn_ragged, {}),
+        ("cudnn_ragged[expanded-gqa]", route_cudnn_ragged, {"expand": True}),
+        ("cudnn_ragged[native-gqa]", route_cudnn_ragged, {"expand": False}),
         ("sdpa_buckets[cudnn]", route_sdpa_buckets, {"backend": "CUDNN_ATTENTION"}),
         ("sdpa_buckets[cudnn,expanded]", route_sdpa_buckets, {"backend": "CUDNN_ATTENTION", "expand": True}),
         ("sdpa_buckets[flash]", route_sdpa_buckets, {"backend": "FLASH_ATTENTION"}),
@@ -364,8 +347,8 @@ def markdown(results: list[dict], header: dict) -> str:
         err = "/".join(f"{e:.1e}" for e in r["rel_error"].values()) if "rel_error" in r else ""
         if r.get("status") == "ok":
             ms = f"{r['fwd_ms']:.3f} | {r['fwdbwd_ms']:.3f}"
-            rate = f"{r['fwd_tflops']:.0f} / {r['fwdbwd_tflops']:.0f}"
-            own = f"{r['fwd_tflops_own']:.0f} / {r['fwdbwd_tflops_own']:.0f}"
+            rate = f"{r['fwd_tflops']:.3g} / {r['fwdbwd_tflops']:.3g}"
+            own = f"{r['fwd_tflops_own']:.3g} / {r['fwdbwd_tflops_own']:.3g}"
         else:
             ms, rate, own = " | ", "", ""
         status = r.get("status", "")[:100]
