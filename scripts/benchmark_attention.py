@@ -11,9 +11,9 @@ packed ``prefix_shared`` (and ``padding_free`` with ``--layouts``); heads ``32/8
   the transposes, the K/V gather, PyTorch's flash varlen); ``varlen[native-gqa]`` / ``varlen[expanded-gqa]``: the
   flash call alone with FA2 given the 8 key/value heads as they are, or expanded to 32 (what ``auto`` picks where
   torch's ``varlen_attn`` has no ``enable_gqa``).
-- ``cudnn_ragged``: cuDNN through ``aten._cudnn_attention_forward`` with ragged offsets (private op), every
-  segment made square (the rejected segment's queries re-include the prompt's, outputs dropped: top-left causal
-  then equals bottom-right) at the price of the prompt's ``P^2/2`` pairs once more per pair.
+- ``varlen[cudnn]``: the same call on ``varlen_attention.cudnn_varlen_attention``: cuDNN's ragged attention (a
+  private aten op) over square segments (the rejected segment's queries re-include the prompt's, outputs dropped:
+  top-left causal then equals bottom-right) at the price of the prompt's ``P^2/2`` pairs once more per pair.
 - ``sdpa_buckets``: public sdpa (cuDNN forced, then flash) on the square segments padded into length buckets.
 - ``sdpa_padded``: TRL's padded layout (``2B`` rows of the longest pair) through sdpa: the scale the issue's
   target comes from (its own FLOPs and, for comparison, per visible pair of the packed row).
@@ -50,6 +50,7 @@ from trl_fused_cpo.varlen_attention import (  # noqa: E402
     VarlenTables,
     _varlen_attn_parameters,
     fused_cpo_varlen_attention,
+    varlen_attention,
     varlen_tables,
 )
 
@@ -91,15 +92,23 @@ def visible_pairs(tables: VarlenTables, real_segments: int | None = None) -> int
 # tensors, plus the pairs it computes itself (None: the visible pairs); setup (masks, indexes) stays outside fn.
 
 
-def route_varlen(packed, tables, device, **_):
+def route_varlen(packed, tables, device, *, kernel=None, **_):
+    """The attention-interface call as the model makes it ([1, heads, N, D] in, the transposes included); with
+    ``kernel`` the same call on another of varlen_attention.CUDA_KERNELS than the default."""
     tables = tables.to(device)
 
-    def fn(q, k, v):  # the attention-interface call, as the model makes it ([1, heads, N, D] in)
-        out, _ = fused_cpo_varlen_attention(None, *(t.transpose(0, 1)[None] for t in (q, k, v)), None,
-                                            scaling=q.shape[-1] ** -0.5, **{TABLES_KWARG: tables})  # fmt: skip
-        return out[0]
+    def fn(q, k, v):
+        q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, k, v))
+        if kernel is None:
+            return fused_cpo_varlen_attention(None, q4, k4, v4, None, scaling=q.shape[-1] ** -0.5,
+                                              **{TABLES_KWARG: tables})[0][0]  # fmt: skip
+        return varlen_attention(*(t[0].transpose(0, 1) for t in (q4, k4, v4)), tables, kernel=kernel)
 
-    return fn, None
+    own = None
+    if kernel == "cudnn":  # square segments: every segment's Lk x Lk causal pairs
+        k_lens = tables.cu_seqlens_k.diff().long()
+        own = int((k_lens * (k_lens + 1) // 2).sum())
+    return fn, own
 
 
 def route_varlen_gqa(packed, tables, device, *, gqa="native", **_):
@@ -136,26 +145,6 @@ def square_segments(tables: VarlenTables, n: int) -> tuple[torch.Tensor, torch.T
     segments = range(len(cu_q) - 1)
     out_index = torch.cat([torch.arange(cu_k[s + 1] - (cu_q[s + 1] - cu_q[s]), cu_k[s + 1]) for s in segments])
     return key_index, out_index, [cu_k[s + 1] - cu_k[s] for s in segments]
-
-
-def route_cudnn_ragged(packed, tables, device, *, expand=True, **_):
-    """cuDNN's ragged (THD) attention through the private aten op (autograd: its registered backward), causal over
-    square segments; ``expand``: the K/V heads repeated (else cuDNN gets them as they are)."""
-    if device.type != "cuda":
-        raise RuntimeError("cuDNN needs CUDA")
-    index, out_index, lengths = square_segments(tables, packed.num_tokens)
-    index, out_index = index.to(device), out_index.to(device)
-    cu = torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
-    own, longest = sum(n * (n + 1) // 2 for n in lengths), max(lengths)
-
-    def fn(q, k, v):
-        qg, kg, vg = (t.index_select(0, index) for t in (q, k, v))
-        if expand:
-            kg, vg = (t.repeat_interleave(q.shape[1] // k.shape[1], 1) for t in (kg, vg))
-        out = torch.ops.aten._cudnn_attention_forward(qg, kg, vg, None, cu, cu, longest, longest, True, 0.0, True)
-        return out[0].index_select(0, out_index)
-
-    return fn, own
 
 
 def route_sdpa_buckets(packed, tables, device, *, backend="CUDNN_ATTENTION", buckets=4, expand=False, **_):
@@ -296,8 +285,7 @@ def routes(device, heads, args) -> list[tuple[str, object, dict]]:
     for i, options in enumerate(args.flex_options if device.type == "cuda" else ()):
         out.append((f"flex_tuned[{i}]", route_flex, {"compiled": compiled, "kernel_options": options}))
     out += [
-        ("cudnn_ragged[expanded-gqa]", route_cudnn_ragged, {"expand": True}),
-        ("cudnn_ragged[native-gqa]", route_cudnn_ragged, {"expand": False}),
+        ("varlen[cudnn]", route_varlen, {"kernel": "cudnn"}),
         ("sdpa_buckets[cudnn]", route_sdpa_buckets, {"backend": "CUDNN_ATTENTION"}),
         ("sdpa_buckets[cudnn,expanded]", route_sdpa_buckets, {"backend": "CUDNN_ATTENTION", "expand": True}),
         ("sdpa_buckets[flash]", route_sdpa_buckets, {"backend": "FLASH_ATTENTION"}),
@@ -362,7 +350,7 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--pairs", type=int, default=16)
     p.add_argument("--heads", nargs="+", default=["32,8,64", "32,8,128"], help="q_heads,kv_heads,head_dim ...")
     p.add_argument("--layouts", nargs="+", default=["prefix_shared"], choices=["prefix_shared", "padding_free"])
-    p.add_argument("--routes", nargs="+", default=None, help="subset: varlen flex flex_tuned cudnn_ragged ...")
+    p.add_argument("--routes", nargs="+", default=None, help="subset by name before [: varlen flex flex_tuned sdpa_buckets sdpa_padded")
     p.add_argument("--flex-options", type=json.loads, default=list(FLEX_TUNED), help="JSON list of kernel_options")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None)

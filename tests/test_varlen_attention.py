@@ -207,3 +207,27 @@ def test_benchmark_script_runs_at_toy_size(tmp_path):
     varlen = next(r for r in results if r["route"] == "varlen")
     assert varlen["status"] == "ok" and max(varlen["rel_error"].values()) < 1e-6
     assert (tmp_path / "attention.md").read_text().count("| prefix_shared |") >= 2
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(PAIR, min_size=1, max_size=4), st.sampled_from(LAYOUTS), st.integers(0, 99))
+def test_square_segment_form_equals_dense_mask(lengths, layout, seed):
+    """The cuDNN kernel's form, on CPU: queries gathered like the keys (every segment square, plain causal), each
+    row position's output read back at square_out_index; fp64 outputs and q/k/v gradients equal the dense mask's."""
+    packed = pack_pairs(random_batch(lengths, seed), layout, pad_token_id=PAD)
+    tables = varlen_tables(packed)
+    square = VarlenTables(tables.cu_seqlens_k, tables.cu_seqlens_k, tables.max_seqlen_k, tables.max_seqlen_k)
+
+    def square_form(q, k, v):
+        index = tables.key_index if tables.key_index is not None else torch.arange(packed.num_tokens)
+        out = varlen_attention_reference(*(t.index_select(0, index) for t in (q, k, v)), square)
+        return out if tables.square_out_index is None else out.index_select(0, tables.square_out_index)
+
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(packed.num_tokens, h, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+               for h in (4, 2, 2))  # fmt: skip
+    grad = torch.randn(packed.num_tokens, 4, 8, generator=gen, dtype=torch.float64)
+    got, want = square_form(q, k, v), dense_reference(q, k, v, packed)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for g, w in zip(torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad), strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)

@@ -50,6 +50,8 @@ class VarlenTables:
         max_seqlen_k: the longest segment's key count.
         key_index: ``[N_k]`` int64 row position of every gathered key, or None when the keys are the row itself
             (``padding_free``: ``cu_seqlens_k == cu_seqlens_q``).
+        square_out_index: ``[N]`` int64, for the square-segment form (queries gathered like the keys, so every
+            segment is ``Lk x Lk``): where each row position's own output sits in it; None with ``key_index``.
     """
 
     cu_seqlens_q: torch.Tensor
@@ -57,6 +59,7 @@ class VarlenTables:
     max_seqlen_q: int
     max_seqlen_k: int
     key_index: torch.Tensor | None = None
+    square_out_index: torch.Tensor | None = None
 
     def _map(self, fn) -> VarlenTables:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -104,8 +107,12 @@ def varlen_tables(packed: PackedBatch) -> VarlenTables:
         k_lens.append(end - start + shared)
         pieces += [torch.arange(group_start, group_start + shared), torch.arange(start, end)]
     cu = lambda lens: torch.tensor([0, *lens]).cumsum(0).to(torch.int32)  # noqa: E731
-    key_index = torch.cat(pieces) if k_lens != q_lens else None
-    return VarlenTables(cu(q_lens), cu(k_lens), max(q_lens), max(k_lens), key_index)
+    if k_lens == q_lens:
+        return VarlenTables(cu(q_lens), cu(k_lens), max(q_lens), max(k_lens))
+    # A segment's own queries are the last Lq of its Lk square positions.
+    ends = cu(k_lens).tolist()[1:]
+    square_out = torch.cat([torch.arange(end - q, end) for end, q in zip(ends, q_lens, strict=True)])
+    return VarlenTables(cu(q_lens), cu(k_lens), max(q_lens), max(k_lens), torch.cat(pieces), square_out)
 
 
 def gather_keys(key: torch.Tensor, value: torch.Tensor, tables: VarlenTables) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,13 +189,44 @@ def flash_varlen_attention(
     return varlen_attn(query, key, value, t.cu_seqlens_q, t.cu_seqlens_k, t.max_seqlen_q, t.max_seqlen_k, **kwargs)
 
 
-def varlen_attention(
+def cudnn_varlen_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tables: VarlenTables, *, scale: float | None = None
 ) -> torch.Tensor:
-    """Flash varlen on CUDA in fp16/bf16, the reference elsewhere. Shapes as :func:`varlen_attention_reference`."""
+    """cuDNN's ragged attention (``aten._cudnn_attention_forward``, a private op, with its registered backward)
+    over square segments: a rejected segment's queries re-include its prompt's (their outputs dropped), so plain
+    top-left causal is the bottom-right rule, at the price of each prompt's ``P^2 / 2`` pairs once more. The key/value
+    heads are expanded (GQA on the ragged path is not relied on). Shapes as :func:`varlen_attention_reference`."""
+    if tables.key_index is not None:
+        query = query.index_select(0, tables.key_index)
+    key, value = gather_keys(key, value, tables)
+    if query.shape[1] != key.shape[1]:
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    cu, longest = tables.cu_seqlens_k, tables.max_seqlen_k
+    out = torch.ops.aten._cudnn_attention_forward(
+        query, key, value, None, cu, cu, longest, longest, True, 0.0, True, False, scale=scale
+    )[0]
+    return out if tables.square_out_index is None else out.index_select(0, tables.square_out_index)
+
+
+CUDA_KERNELS = {"flash": flash_varlen_attention, "cudnn": cudnn_varlen_attention}
+CUDA_KERNEL = "flash"  # the default on CUDA: set from scripts/benchmark_attention.py's measurement
+
+
+def varlen_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    tables: VarlenTables,
+    *,
+    scale: float | None = None,
+    kernel: str | None = None,
+) -> torch.Tensor:
+    """``CUDA_KERNELS[kernel or CUDA_KERNEL]`` on CUDA in fp16/bf16, the reference elsewhere. Shapes as
+    :func:`varlen_attention_reference`."""
     if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
         if _varlen_attn_parameters() is not None:
-            return flash_varlen_attention(query, key, value, tables, scale=scale)
+            return CUDA_KERNELS[kernel or CUDA_KERNEL](query, key, value, tables, scale=scale)
         _warn_once(f"torch {torch.__version__} has no torch.nn.attention.varlen (2.10+): {IMPLEMENTATION} runs "
                    "the per-segment reference, correct but slow. Upgrade torch, or use flex_attention.")  # fmt: skip
     return varlen_attention_reference(query, key, value, tables, scale=scale)

@@ -1,5 +1,6 @@
-"""fused_cpo_varlen on CUDA: PyTorch's flash varlen over the segment tables against the dense-mask reference in bf16,
-both layouts, forward and backward (the K/V gather's summed gradients), through a Llama and through the trainer.
+"""fused_cpo_varlen on CUDA: its kernels (PyTorch's flash varlen, the default; cuDNN ragged over square segments) over
+the segment tables against the dense-mask reference in bf16, both layouts, forward and backward (the gathers' summed
+gradients); the default through a Llama and through the trainer.
 
 Budget: the error against an fp32 dense-mask run is no worse than the bf16 dense-mask run's own, twice over, with a
 floor of 4e-3 (bf16 keeps 8 bits). The CPU side (tables, reference, trainer in fp32) is tests/test_varlen_attention.py.
@@ -21,7 +22,7 @@ from trl_fused_cpo.varlen_attention import (
     IMPLEMENTATION,
     TABLES_KWARG,
     _varlen_attn_parameters,
-    flash_varlen_attention,
+    varlen_attention,
     varlen_tables,
 )
 
@@ -53,9 +54,10 @@ def test_torch_has_varlen_attn():
     assert _varlen_attn_parameters() is not None, f"torch {torch.__version__}: no torch.nn.attention.varlen"
 
 
+@pytest.mark.parametrize("kernel", ["flash", "cudnn"])  # varlen_attention.CUDA_KERNELS
 @pytest.mark.parametrize("heads", [(32, 8, 64), (32, 8, 128), (4, 4, 64)], ids=["1b-heads", "8b-heads", "mha"])
 @pytest.mark.parametrize("layout", ["padding_free", "prefix_shared"])
-def test_flash_varlen_matches_dense_mask(layout, heads):
+def test_varlen_kernel_matches_dense_mask(layout, heads, kernel):
     hq, hkv, d = heads
     packed = pack_pairs(random_batch(6, seed=hq + d), layout, pad_token_id=PAD, pad_to_multiple_of=64)
     tables = varlen_tables(packed).to("cuda")
@@ -65,11 +67,11 @@ def test_flash_varlen_matches_dense_mask(layout, heads):
     truth = fwd_bwd(lambda *a: dense(*a, visible), q, k, v, grad)
     bf16 = [t.bfloat16() for t in (q, k, v, grad)]
     plain = fwd_bwd(lambda *a: dense(*a, visible), *bf16)
-    got = fwd_bwd(lambda *a: flash_varlen_attention(*a, tables), *bf16)
+    got = fwd_bwd(lambda *a: varlen_attention(*a, tables, kernel=kernel), *bf16)
     for name, g, p, t in zip(("out", "dq", "dk", "dv"), got, plain, truth, strict=True):
         assert g.dtype == torch.bfloat16 and torch.isfinite(g).all(), name
         err, budget = rel(g, t), max(2 * rel(p, t), FLOOR)
-        print(f"{layout} {heads} {name}: rel error {err:.2e} (dense bf16 {rel(p, t):.2e})")
+        print(f"{kernel} {layout} {heads} {name}: rel error {err:.2e} (dense bf16 {rel(p, t):.2e})")
         assert err <= budget, f"{name}: {err:.2e} > {budget:.2e}"
 
 
