@@ -51,7 +51,7 @@ class VarlenTables:
         key_index: ``[N_k]`` int64 row position of every gathered key, or None when the keys are the row itself
             (``padding_free``: ``cu_seqlens_k == cu_seqlens_q``).
         square_out_index: ``[N]`` int64, for the square-segment form (queries gathered like the keys, so every
-            segment is ``Lk x Lk``): where each row position's own output sits in it; None with ``key_index``.
+            segment is ``Lk x Lk``): where each row position's own output sits in it; None where ``key_index`` is.
     """
 
     cu_seqlens_q: torch.Tensor
@@ -203,6 +203,7 @@ def cudnn_varlen_attention(
         groups = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
     cu, longest = tables.cu_seqlens_k, tables.max_seqlen_k
+    query, key, value = (t.contiguous() for t in (query, key, value))  # ragged offsets assume the THD layout
     out = torch.ops.aten._cudnn_attention_forward(
         query, key, value, None, cu, cu, longest, longest, True, 0.0, True, False, scale=scale
     )[0]
