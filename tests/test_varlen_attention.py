@@ -20,6 +20,7 @@ from trl_fused_cpo.packing import IGNORE_INDEX, pack_pairs
 from trl_fused_cpo.toy import toy_model
 from trl_fused_cpo.varlen_attention import (
     IMPLEMENTATION,
+    SEQLEN_BUCKET,
     TABLES_KWARG,
     VarlenTables,
     fused_cpo_varlen_attention,
@@ -35,8 +36,9 @@ def table_visibility(tables: VarlenTables, n: int) -> torch.Tensor:
     key_index = tables.key_index if tables.key_index is not None else torch.arange(n)
     cu_q, cu_k = tables.cu_seqlens_q.tolist(), tables.cu_seqlens_k.tolist()
     assert cu_q[-1] == n and cu_k[-1] == len(key_index)
-    assert tables.max_seqlen_q == max(b - a for a, b in zip(cu_q, cu_q[1:], strict=False))
-    assert tables.max_seqlen_k == max(b - a for a, b in zip(cu_k, cu_k[1:], strict=False))
+    for cu, bound in ((cu_q, tables.max_seqlen_q), (cu_k, tables.max_seqlen_k)):  # an upper bound, bucketed
+        longest = max(b - a for a, b in zip(cu, cu[1:], strict=False))
+        assert bound % SEQLEN_BUCKET == 0 and longest <= bound < longest + SEQLEN_BUCKET
     visible = torch.zeros(n, n, dtype=torch.bool)
     for s in range(len(cu_q) - 1):
         lq, lk = cu_q[s + 1] - cu_q[s], cu_k[s + 1] - cu_k[s]

@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 
 IMPLEMENTATION = "fused_cpo_varlen"  # attn_implementation= name registered with transformers
 TABLES_KWARG = "fused_cpo_varlen"  # the model forward kwarg (and batch key) carrying the VarlenTables
+# max_seqlen_* are rounded up to this: an upper bound is all the kernels need (grid size), and a few distinct
+# values keep cuDNN's graph cache and torch.compile's guards from seeing a new shape every batch.
+SEQLEN_BUCKET = 128
 
 
 @dataclass
@@ -46,8 +49,9 @@ class VarlenTables:
     Attributes:
         cu_seqlens_q: ``[S + 1]`` int32, segment ``s``'s queries are row positions ``cu_seqlens_q[s]..[s+1]-1``.
         cu_seqlens_k: ``[S + 1]`` int32, offsets of segment ``s``'s keys in the gathered key sequence.
-        max_seqlen_q: the longest segment's query count (a host int: no device sync to read it).
-        max_seqlen_k: the longest segment's key count.
+        max_seqlen_q: the longest segment's query count rounded up to ``SEQLEN_BUCKET`` (a host int: no device
+            sync to read it).
+        max_seqlen_k: the longest segment's key count, rounded up likewise.
         key_index: ``[N_k]`` int64 row position of every gathered key, or None when the keys are the row itself
             (``padding_free``: ``cu_seqlens_k == cu_seqlens_q``).
         square_out_index: ``[N]`` int64, for the square-segment form (queries gathered like the keys, so every
@@ -107,12 +111,13 @@ def varlen_tables(packed: PackedBatch) -> VarlenTables:
         k_lens.append(end - start + shared)
         pieces += [torch.arange(group_start, group_start + shared), torch.arange(start, end)]
     cu = lambda lens: torch.tensor([0, *lens]).cumsum(0).to(torch.int32)  # noqa: E731
+    bound = lambda lens: -(-max(lens) // SEQLEN_BUCKET) * SEQLEN_BUCKET  # noqa: E731
     if k_lens == q_lens:
-        return VarlenTables(cu(q_lens), cu(k_lens), max(q_lens), max(k_lens))
+        return VarlenTables(cu(q_lens), cu(k_lens), bound(q_lens), bound(k_lens))
     # A segment's own queries are the last Lq of its Lk square positions.
     ends = cu(k_lens).tolist()[1:]
     square_out = torch.cat([torch.arange(end - q, end) for end, q in zip(ends, q_lens, strict=True)])
-    return VarlenTables(cu(q_lens), cu(k_lens), max(q_lens), max(k_lens), torch.cat(pieces), square_out)
+    return VarlenTables(cu(q_lens), cu(k_lens), bound(q_lens), bound(k_lens), torch.cat(pieces), square_out)
 
 
 def gather_keys(key: torch.Tensor, value: torch.Tensor, tables: VarlenTables) -> tuple[torch.Tensor, torch.Tensor]:
