@@ -201,10 +201,7 @@ def reference(tables: VarlenTables):
     """fp32 per-segment sdpa over the same tables (tests/test_varlen_attention.py proves it equals the dense mask)."""
     from trl_fused_cpo.varlen_attention import varlen_attention_reference
 
-    def fn(q, k, v):
-        return varlen_attention_reference(q.float(), k.float(), v.float(), tables).to(q.dtype)
-
-    return fn
+    return lambda q, k, v: varlen_attention_reference(q, k, v, tables)
 
 
 def measure(name, build, row, tensors, truth, flops, device) -> dict:
@@ -305,7 +302,7 @@ def run_heads(batch, layout, heads, device, args) -> list[dict]:
     gen = torch.Generator(device=device).manual_seed(hq * d)
     n = packed.num_tokens
     tensors = [torch.randn(n, h, d, device=device, dtype=dtype, generator=gen) for h in (hq, hkv, hkv, hq)]
-    truth = fwd_bwd(reference(tables.to(device)), *tensors)
+    truth = fwd_bwd(reference(tables.to(device)), *(t.float() for t in tensors))  # fp32
     row = {"packed": packed, "tables": tables, "visible_pairs": visible,
            "extra": {"flex_row": pack_pairs(batch, layout, pad_token_id=0, pad_to_multiple_of=128)}}  # fmt: skip
     results = []
@@ -350,7 +347,12 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--pairs", type=int, default=16)
     p.add_argument("--heads", nargs="+", default=["32,8,64", "32,8,128"], help="q_heads,kv_heads,head_dim ...")
     p.add_argument("--layouts", nargs="+", default=["prefix_shared"], choices=["prefix_shared", "padding_free"])
-    p.add_argument("--routes", nargs="+", default=None, help="subset by name before [: varlen flex flex_tuned sdpa_buckets sdpa_padded")
+    p.add_argument(
+        "--routes",
+        nargs="+",
+        default=None,
+        help="subset by name before [: varlen flex flex_tuned sdpa_buckets sdpa_padded",
+    )
     p.add_argument("--flex-options", type=json.loads, default=list(FLEX_TUNED), help="JSON list of kernel_options")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None)
