@@ -233,3 +233,46 @@ def test_square_segment_form_equals_dense_mask(lengths, layout, seed):
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     for g, w in zip(torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad), strict=True):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+
+
+def _signature_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                    window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):  # fmt: skip
+    """torch 2.12+'s varlen_attn, computed by the reference over the keys it is handed."""
+    assert window_size == (-1, 0) and (enable_gqa or key.shape[1] == query.shape[1])
+    return varlen_attention_reference(query, key, value, VarlenTables(cu_seq_q, cu_seq_k, max_q, max_k), scale=scale)
+
+
+def _signature_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    """torch 2.10's varlen_attn: is_causal=, no scale=, no GQA."""
+    assert is_causal and key.shape[1] == query.shape[1]
+    return varlen_attention_reference(query, key, value, VarlenTables(cu_seq_q, cu_seq_k, max_q, max_k))
+
+
+@pytest.mark.parametrize("signature", [_signature_2_13, _signature_2_10], ids=["torch-2.13", "torch-2.10"])
+@pytest.mark.parametrize("gqa", ["auto", "native", "expand"])
+def test_flash_call_across_varlen_attn_signatures(monkeypatch, signature, gqa):
+    """What flash_varlen_attention hands torch's varlen_attn (causal flag, scale, GQA, gathered keys, tables) in each
+    release's signature, the kernel stood in by the reference: fp64 outputs and gradients equal the dense mask's."""
+    import torch.nn.attention.varlen as varlen
+
+    from trl_fused_cpo.varlen_attention import _varlen_attn_parameters, flash_varlen_attention
+
+    if signature is _signature_2_10 and gqa == "native":
+        pytest.skip("2.10 has no GQA: native heads are refused there (the stand-in asserts equal heads)")
+    monkeypatch.setattr(varlen, "varlen_attn", signature)
+    _varlen_attn_parameters.cache_clear()
+    try:
+        packed = pack_pairs(collate(64, range(5)), "prefix_shared", pad_token_id=PAD)
+        gen = torch.Generator().manual_seed(1)
+        q, k, v = (torch.randn(packed.num_tokens, h, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+                   for h in (4, 2, 2))  # fmt: skip
+        got = flash_varlen_attention(q, k, v, varlen_tables(packed), scale=0.2, gqa=gqa)
+        want = dense_reference(q, k, v, packed, scale=0.2)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        grad = torch.randn_like(got)
+        for g, w in zip(
+            torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad), strict=True
+        ):
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    finally:
+        _varlen_attn_parameters.cache_clear()
