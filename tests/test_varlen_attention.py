@@ -276,3 +276,21 @@ def test_flash_call_across_varlen_attn_signatures(monkeypatch, signature, gqa):
             torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
     finally:
         _varlen_attn_parameters.cache_clear()
+
+
+def test_end_to_end_benchmark_runs_the_varlen_variant(tmp_path):
+    """benchmark_e2e's ``+attn=fused_cpo_varlen`` in a fresh interpreter: its model is built before anything imports
+    the trainer, so the name must be registered by then (bench_common.build_model does)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    argv = ["--model", "toy", "--micro-batches", "2", "--steps", "1", "--warmup", "1", "--variants",
+            f"fused+prefix+attn={IMPLEMENTATION}", "--no-process-warmup", "--no-plots", "--out", str(tmp_path)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    subprocess.run([sys.executable, str(root / "scripts/benchmark_e2e.py"), *argv], check=True, env=env, cwd=root)
+    (run,) = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert run["ok"], run.get("error")
