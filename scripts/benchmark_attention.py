@@ -21,7 +21,7 @@ packed ``prefix_shared`` (and ``padding_free`` with ``--layouts``); heads ``32/8
 FLOPs: ``4 * head_dim * q_heads * visible_pairs`` forward (QK^T and PV over the visible pairs of the packed row,
 tail padding excluded), 3.5x that for forward + backward (the issue's convention); ``*_own`` columns count the
 route's own pairs (padded rows, re-included prompts). Timing: ``triton.testing.do_bench`` medians (CUDA events).
-Writes ``attention.json`` and ``attention.md`` under ``--out``; prints the table last.
+Writes the JSON record and a markdown table (attention.json, attention.md) under ``--out``; prints the table last.
 
 Usage: ``python scripts/benchmark_attention.py --out results/attn`` (about 2-3 min on an H100; ``--quick`` runs toy
 sizes on a CPU).
