@@ -444,6 +444,9 @@ def build_model(
     """A random-init model of the named shape, built directly on ``device`` (bf16; the toy model fp32 on a CPU), with
     ``attn_implementation`` (None: transformers' default, sdpa); ``num_layers`` keeps only that many decoder layers
     (every other width as named: per-layer memory, measured at two depths, extrapolates to the full one)."""
+    from trl_fused_cpo.varlen_attention import register
+
+    register()  # attn_implementation fused_cpo_varlen (+attn=fused_cpo_varlen) is known before the model is built
     torch.manual_seed(seed)
     spec = MODELS[name]
     if spec.get("toy"):

@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 
 from .packing import CHOSEN, REJECTED, PackedBatch
+from .varlen_attention import IMPLEMENTATION as FUSED_VARLEN_IMPLEMENTATION
+from .varlen_attention import TABLES_KWARG, VarlenTables, varlen_tables
 
 FLEX_BLOCK_SIZE = 128  # torch's default sparse block (flex_attention's kernels tile by it)
 _MASK_SLAB_ELEMENTS = 1 << 22  # [queries, kv blocks] counted at a time by packed_block_mask: 16 MiB of int32
@@ -145,6 +147,7 @@ def packed_attention_mask(packed: PackedBatch, *, dtype: torch.dtype, implementa
         ``eager``/``sdpa``: ``[1, 1, N, N]`` ``dtype`` tensor, 0 visible and ``finfo(dtype).min`` hidden.
         ``flex_attention``: a ``BlockMask`` (see :func:`packed_block_mask`).
         ``flash_attention_*``: ``None`` for ``padding_free`` (varlen from ``position_ids``).
+        ``fused_cpo_varlen``: ``None`` (the segments travel as ``varlen_attention.VarlenTables``).
 
     Raises:
         ValueError: ``prefix_shared`` with flash attention, or an implementation this module does not know.
@@ -155,6 +158,8 @@ def packed_attention_mask(packed: PackedBatch, *, dtype: torch.dtype, implementa
         return mask[None, None]
     if implementation == "flex_attention":
         return packed_block_mask(packed)
+    if implementation == FUSED_VARLEN_IMPLEMENTATION:
+        return None
     if implementation in VARLEN_IMPLEMENTATIONS:
         if not packed.shares_prompts:  # every group one sequence: varlen's segments
             return None
@@ -166,10 +171,30 @@ def packed_attention_mask(packed: PackedBatch, *, dtype: torch.dtype, implementa
     )
 
 
+def packed_model_inputs(
+    packed: PackedBatch, *, dtype: torch.dtype, implementation: str, tables: VarlenTables | None = None
+) -> dict:
+    """The model's forward keywords for ``packed`` under ``implementation``: the one way a packed row is called.
+
+    ``input_ids``, ``position_ids``, ``attention_mask`` (:func:`packed_attention_mask`), ``use_cache=False`` (with a
+    cache transformers skips its packed-sequence detection), and for ``fused_cpo_varlen`` the segment tables
+    (``tables`` from the collator, else built here), on ``packed``'s device.
+    """
+    inputs = dict(
+        input_ids=packed.input_ids,
+        position_ids=packed.position_ids,
+        attention_mask=packed_attention_mask(packed, dtype=dtype, implementation=implementation),
+        use_cache=False,
+    )
+    if implementation == FUSED_VARLEN_IMPLEMENTATION:
+        inputs[TABLES_KWARG] = (tables if tables is not None else varlen_tables(packed)).to(packed.input_ids.device)
+    return inputs
+
+
 def _varlen_refusal(implementation: str) -> str:
     return (
         f"layout 'prefix_shared' cannot run on attn_implementation={implementation!r}: flash-attention varlen cuts "
         "the row into independent causal segments, but the rejected branch must see the shared prompt and skip "
-        "the chosen branch before it. Load the model with attn_implementation='flex_attention', or use layout "
-        "'padding_free'."
+        "the chosen branch before it. Load the model with attn_implementation='fused_cpo_varlen' (this package's "
+        "varlen form of the shared prompt) or 'flex_attention', or use layout 'padding_free'."
     )

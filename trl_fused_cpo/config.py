@@ -109,7 +109,8 @@ class FusedCPOConfig(CPOConfig):
             "but never to chosen). Same loss, log-probs, rewards and gradients in all three; in a packed layout "
             "logits/chosen and logits/rejected are the mean over the positions the sequences have, where TRL's "
             "padded mean also averages the padding. Packed layouts need attn_implementation 'flex_attention' "
-            "(GPU) or 'sdpa'/'eager' (a dense mask: CPU and tests).",
+            "or 'fused_cpo_varlen' (GPU; flash varlen over segment tables) or 'sdpa'/'eager' (a dense mask: CPU "
+            "and tests).",
             "choices": list(BATCH_LAYOUTS),
         },
     )

@@ -61,6 +61,10 @@ def load_model_and_tokenizer(script_args: CPOScriptArguments, training_args: Fus
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import get_quantization_config
 
+    from .varlen_attention import register
+
+    register()  # attn_implementation: fused_cpo_varlen must be known to transformers before from_pretrained
+
     kwargs: dict[str, Any] = dict(
         revision=model_args.model_revision,
         trust_remote_code=training_args.trust_remote_code,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from collections.abc import Callable
@@ -10,7 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import DENSE_IMPLEMENTATIONS, VARLEN_IMPLEMENTATIONS, _varlen_refusal, packed_attention_mask
+from .attention import (
+    DENSE_IMPLEMENTATIONS,
+    FUSED_VARLEN_IMPLEMENTATION,
+    VARLEN_IMPLEMENTATIONS,
+    _varlen_refusal,
+    packed_model_inputs,
+)
 from .collator import PackingCollator
 from .packing import PADDED, PADDING_FREE
 
@@ -179,7 +186,7 @@ def _implementation_refusal(config, layout: str, fix: str) -> str | None:
     implementation = getattr(config, "_attn_implementation", None) or "eager"
     if implementation in VARLEN_IMPLEMENTATIONS:
         return None if layout == PADDING_FREE else _varlen_refusal(implementation)
-    if implementation not in DENSE_IMPLEMENTATIONS + ("flex_attention",):
+    if implementation not in DENSE_IMPLEMENTATIONS + ("flex_attention", FUSED_VARLEN_IMPLEMENTATION):
         return (
             f"attn_implementation={implementation!r} is not one packing can pass a mask to (eager, sdpa, "
             "flex_attention; flash-attention varlen for padding_free): transformers builds no mask for custom "
@@ -390,10 +397,10 @@ def _check_packed(lm, batch, ids, logits, *, layout: str, pad_token_id: int, imp
     packed = PackingCollator(None, layout, pad_token_id, implementation).pack(batch).to(ids.device)
     fix = f"Use batch_layout: padded for this model (or report it: batch_layout={layout!r} should refuse it earlier)."
     try:
-        mask = packed_attention_mask(
+        inputs = packed_model_inputs(
             packed, dtype=lm.get_input_embeddings().weight.dtype, implementation=implementation
         )
-        row = lm(packed.input_ids, position_ids=packed.position_ids, attention_mask=mask, use_cache=False).logits[0]
+        row = lm(**inputs).logits[0]
     except Exception as err:  # the model's own error, attached: it says what the packed call broke
         raise ValueError(
             f"{type(lm).__name__} fails on a packed probe row (batch_layout={layout!r}, attn_implementation="
@@ -411,6 +418,23 @@ def _check_packed(lm, batch, ids, logits, *, layout: str, pad_token_id: int, imp
             f"{worst:.3g} (relative; {tol:g} allowed): the model treats the packed row's positions, mask or length "
             f"differently (position ids, an attention window or bias by row index, a fixed-size buffer). {fix}"
         )
+
+
+@contextlib.contextmanager
+def _padded_attention(lm: nn.Module, implementation: str):
+    """The probe's padded reference rows on sdpa where ``implementation`` runs packed rows only (``fused_cpo_varlen``
+    needs segment tables): the same attention, dense; restored after."""
+    if implementation != FUSED_VARLEN_IMPLEMENTATION:
+        yield
+        return
+    configs = {id(c): c for c in (lm.config, lm.config.get_text_config())}.values()
+    for config in configs:
+        config._attn_implementation = "sdpa"
+    try:
+        yield
+    finally:
+        for config in configs:
+            config._attn_implementation = implementation
 
 
 def check_model_runs_exactly(model: nn.Module, layout: str, *, pad_token_id: int | None, implementation: str) -> None:
@@ -438,8 +462,9 @@ def check_model_runs_exactly(model: nn.Module, layout: str, *, pad_token_id: int
             lm.eval()
             batch = _probe_rows(embeddings.num_embeddings, pad_token_id, device)
             ids, mask = _padded(batch, pad)
-            logits = lm(ids, attention_mask=mask, use_cache=False).logits
-            _check_head(lm, ids, mask, logits, tol)
+            with _padded_attention(lm, implementation):
+                logits = lm(ids, attention_mask=mask, use_cache=False).logits
+                _check_head(lm, ids, mask, logits, tol)
             if layout != PADDED:
                 _check_packed(lm, batch, ids, logits, layout=layout, pad_token_id=pad, implementation=implementation,
                               tol=tol)  # fmt: skip

@@ -18,7 +18,7 @@ from torch import nn
 from trl.experimental.cpo import CPOTrainer
 
 from .activations import decoder_layers, install_plan, plan_for_training, plan_line
-from .attention import FLEX_BLOCK_SIZE, packed_attention_mask
+from .attention import FLEX_BLOCK_SIZE, packed_model_inputs
 from .collator import PACKED_KEY, PackingCollator
 from .config import fused_options
 from .context_length import max_length_refusal
@@ -28,6 +28,7 @@ from .ops.grad_scale import GradScaleGuess
 from .packing import PADDED, PackedBatch
 from .support import check_model_runs_exactly, packing_unsupported_reason, unsupported_reason, unwrap_causal_lm
 from .tiled_mlp import apply_tiled_mlp
+from .varlen_attention import TABLES_KWARG
 
 logger = logging.getLogger(__name__)
 
@@ -225,11 +226,8 @@ class FusedCPOTrainer(CPOTrainer):
             packed = self._packing.pack(batch)
         packed = packed.to(self.accelerator.device)
         embeddings = self._unwrapped_lm(model).get_input_embeddings()
-        mask = packed_attention_mask(packed, dtype=embeddings.weight.dtype, implementation=self._attn_implementation())
-        return model(
-            packed.input_ids,
-            position_ids=packed.position_ids,
-            attention_mask=mask,
-            use_cache=False,
-            fused_cpo_labels=packed,
-        )
+        inputs = packed_model_inputs(
+            packed, dtype=embeddings.weight.dtype, implementation=self._attn_implementation(),
+            tables=batch.get(TABLES_KWARG),
+        )  # fmt: skip
+        return model(**inputs, fused_cpo_labels=packed)
