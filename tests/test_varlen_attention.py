@@ -15,9 +15,9 @@ from trl.experimental.cpo import CPOTrainer
 
 from trl_fused_cpo import FusedCPOConfig, FusedCPOTrainer
 from trl_fused_cpo.attention import dense_visibility, packed_attention_mask
-from trl_fused_cpo.support import packing_unsupported_reason
 from trl_fused_cpo.collator import PACKED_KEY
 from trl_fused_cpo.packing import IGNORE_INDEX, pack_pairs
+from trl_fused_cpo.support import packing_unsupported_reason
 from trl_fused_cpo.toy import toy_model
 from trl_fused_cpo.varlen_attention import (
     IMPLEMENTATION,
