@@ -175,6 +175,38 @@ for what in "${steps[@]}"; do
       if [ -n "$padded" ] && [ "$padded" -gt 0 ]; then
         max_search fused+prefix $(( (3 * padded + 1) / 2 )) $(( 4 * padded )) 0.5
       else echo "maxbatch-packed: no padded maximum for $model" | tee -a "$OUT/maxbatch_packed.txt"; fi ;;
+    attention)  # issue 39: packed attention alone, every route checked against the dense reference, then timed
+      # (flex static compile, fused_cpo_varlen's flash and cuDNN kernels, sdpa buckets, TRL's padded layout): ≈ 3 min
+      timeout 330 python3 scripts/benchmark_attention.py --out "$OUT/attention" 2>&1 | tail -40 ;;
+    probe)  # issue 37: the construction probe's cost at Llama-3-8B shape, bf16, per layout and attention: ≈ 2-4 min
+      timeout 300 python3 scripts/benchmark_probe.py --shape llama3-8b --device cuda --dtype bfloat16 \
+        --implementations sdpa,flex_attention,fused_cpo_varlen --out "$OUT/probe_llama3_8b.json" 2>&1 | tail -20 ;;
+    backbone)  # issue 39: unique-token MFU of stock, the code before's packed default (prefix_shared on flex, TRL's
+      # blanket checkpointing) and the new options (fused_cpo_varlen, activation_policy none / auto), one process
+      # per model, same batches, each step profiled (GEMM / attention / elementwise / head / optimizer / idle).
+      # BACKBONE_SPECS="model micro-batches limit_s;...", BACKBONE_VARIANTS overrides the list
+      v=stock,fused+prefix,fused+prefix+attn=fused_cpo_varlen,fused+prefix+attn=fused_cpo_varlen+act=none
+      v=$v,fused+prefix+attn=fused_cpo_varlen+act=auto,fused+prefix+act=none
+      IFS=';' read -ra specs <<<"${BACKBONE_SPECS:-llama3.2-1b 16 270;llama3-8b 8 290}"
+      for spec in "${specs[@]}"; do
+        read -r model batches limit <<<"$spec"
+        timeout "$limit" python3 scripts/benchmark_e2e.py --model "$model" --micro-batches "$batches" --steps 5 \
+          --warmup 2 --variants "${BACKBONE_VARIANTS:-$v}" --no-process-warmup --no-plots --profile \
+          --out "$OUT/backbone_$model" 2>&1 | grep -vE "it/s]|s/it]" | tail -16 | tee -a "$OUT/backbone.txt"
+      done ;;
+    long-context)  # issue 40: the longest pair each trainer trains (8B LoRA, then 1B full), then 16k / 32k fixed.
+      # Each search is bounded by its --budget-s; LONG_ATTN (default fused_cpo_varlen) is the fused trainers' attention
+      attn=${LONG_ATTN:-fused_cpo_varlen}
+      timeout 560 python3 scripts/benchmark_long_context.py --models llama3.1-8b --steps 1 --start 16384 \
+        --tolerance 4096 --granularity 1024 --option tiled_mlp_tokens=8192 --attn "$attn" --budget-s 520 \
+        --try-timeout-s 300 --out "$OUT/long_8b" 2>&1 | tail -20
+      timeout 560 python3 scripts/benchmark_long_context.py --models llama3.2-1b --steps 2 --start 16384 \
+        --tolerance 4096 --granularity 1024 --option tiled_mlp_tokens=8192 --attn "$attn" --budget-s 520 \
+        --try-timeout-s 300 --out "$OUT/long_1b" 2>&1 | tail -20 ;;
+    long-fixed)  # issue 40: 16k and 32k tokens a pair, each trainer that fits, 8B LoRA
+      timeout 560 python3 scripts/benchmark_long_context.py --mode fixed --lengths 16384,32768 --models llama3.1-8b \
+        --steps 2 --option tiled_mlp_tokens=8192 --attn "${LONG_ATTN:-fused_cpo_varlen}" --budget-s 520 \
+        --out "$OUT/long_fixed" 2>&1 | tail -20 ;;
     *) echo "unknown step $what" ;;
   esac
 done

@@ -163,6 +163,12 @@ def test_implementation_is_accepted_and_builds_no_mask(layout):
     assert packed_attention_mask(packed, dtype=torch.float32, implementation=IMPLEMENTATION) is None
 
 
+def test_padded_layout_on_the_varlen_implementation_is_refused_at_construction(tmp_path):
+    """It has no segment tables to attend with: refused with the fix, not a ValueError in the first step."""
+    with pytest.raises(ValueError, match="runs packed rows only.*batch_layout: prefix_shared"):
+        make_trainer(FusedCPOTrainer, tmp_path, model=varlen_model(), config_cls=FusedCPOConfig, batch_layout="padded")
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["", "gradient-checkpointing"])
 def test_trainer_matches_padded_and_sdpa_packed(tmp_path, layout, checkpointing):

@@ -128,7 +128,7 @@ def packing_unsupported_reason(
             tail padding), for models with a fixed-size causal buffer.
     """
     if layout == PADDED:
-        return None
+        return _packed_only_refusal(model)
     lm = unwrap_causal_lm(model)
     name = type(lm).__name__
     fix = "Use layout 'padded' (TRL's own batch) for this model."
@@ -179,6 +179,18 @@ def packing_unsupported_reason(
                 f"positions (the rejected branch continues the prompt's). {fix}"
             )
     return _implementation_refusal(config, layout, fix)
+
+
+def _packed_only_refusal(model: nn.Module) -> str | None:
+    """``fused_cpo_varlen`` attends through the packed row's segment tables: a padded batch has none."""
+    config = getattr(unwrap_causal_lm(model), "config", None)
+    if getattr(config, "_attn_implementation", None) != FUSED_VARLEN_IMPLEMENTATION:
+        return None
+    return (
+        f"attn_implementation={FUSED_VARLEN_IMPLEMENTATION!r} runs packed rows only (its segment tables come from "
+        "the packed batch), and batch_layout is 'padded'. Set batch_layout: prefix_shared (or padding_free), or "
+        "load the model with attn_implementation='sdpa' for the padded layout."
+    )
 
 
 def _implementation_refusal(config, layout: str, fix: str) -> str | None:
