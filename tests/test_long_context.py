@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from datasets import Dataset
+from test_trainer import make_trainer
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, Qwen2Config
 
@@ -15,7 +15,7 @@ from trl_fused_cpo.collator import PACKED_KEY, PackingCollator
 from trl_fused_cpo.context_length import max_length_refusal, model_context_length
 from trl_fused_cpo.loss import fused_linear_cpo_loss_packed
 from trl_fused_cpo.packing import pack_pairs
-from trl_fused_cpo.toy import load_toy_preferences, toy_model, toy_tokenizer
+from trl_fused_cpo.toy import toy_model
 
 LLAMA31_ROPE = {
     "rope_type": "llama3",
@@ -43,25 +43,8 @@ def test_max_length_refusal_names_the_limit_and_the_fix():
     assert "Set max_length <= 131072" in reason
 
 
-def _trainer(tmp_path, model=None, peft_config=None, **overrides):
-    args = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        bf16=False,
-        report_to=[],
-        max_length=64,
-        gradient_checkpointing=False,
-        use_cpu=True,
-        save_strategy="no",
-    )
-    args.update(overrides)
-    return FusedCPOTrainer(
-        model=model if model is not None else toy_model(),
-        args=FusedCPOConfig(**args),
-        train_dataset=Dataset.from_list(load_toy_preferences("train")[:8]),
-        processing_class=toy_tokenizer(),
-        peft_config=peft_config,
-    )
+def _trainer(tmp_path, **overrides):
+    return make_trainer(FusedCPOTrainer, tmp_path, config_cls=FusedCPOConfig, **overrides)
 
 
 def test_trainer_refuses_max_length_beyond_the_context(tmp_path):
