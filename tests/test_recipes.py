@@ -343,7 +343,7 @@ def test_empty_conversational_completion_names_the_example():
 
 def test_conversational_data_needs_a_chat_template():
     tokenizer = toy_tokenizer()
-    assert tokenizer.chat_template is None
+    tokenizer.chat_template = None  # the toy tokenizer has one: take it away
     with pytest.raises(ValueError, match="conversational .* no chat_template"):
         validate_preference_dataset(_dataset(CONVERSATIONAL), tokenizer)
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
