@@ -214,7 +214,9 @@ def _cpu_keeps_the_recipe_precision(training_args: FusedCPOConfig) -> None:
     from_config = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     on_cpu = training_args.use_cpu or not torch.cuda.is_available()
     if on_cpu and from_config in ("bf16", "fp16") and not (training_args.bf16 or training_args.fp16):
-        os.environ["ACCELERATE_MIXED_PRECISION"] = "no"
+        os.environ["ACCELERATE_MIXED_PRECISION"] = "no"  # what the Accelerator reads by default
+        if getattr(training_args, "mixed_precision", None) is not None:
+            training_args.mixed_precision = "no"  # transformers 5.25 copied it in __post_init__
         if training_args.should_log:
             logger.warning(
                 "The accelerate config's mixed_precision: %s is off: this run is on CPU and the recipe says bf16: "
