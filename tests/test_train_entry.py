@@ -163,6 +163,9 @@ def test_opening_and_closing_lines_say_what_runs_and_what_it_did(tmp_path, capsy
     closing = lines[-1]
     assert closing.startswith("Done: eval_rewards/accuracies ") and "(step 0 -> 2)" in closing, closing
     assert closing.endswith(f"Saved model and tokenizer to {tmp_path / 'out'}."), closing
+    # The final metrics reuse the evaluation Trainer ran at the last step (before, a second pass: steps [0, 2, 2]).
+    history = json.loads((tmp_path / "out" / "trainer_state.json").read_text())["log_history"]
+    assert [h["step"] for h in history if "eval_loss" in h] == [0, 2]
 
 
 def _conversational(rows: list[dict], explicit: bool) -> list[dict]:

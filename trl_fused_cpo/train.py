@@ -143,7 +143,7 @@ def _train_and_evaluate(trainer, training_args: FusedCPOConfig, *, evaluate: boo
     trainer.log_metrics("train", train_result.metrics)
     trainer.save_metrics("train", train_result.metrics)
     if evaluate:
-        eval_metrics = trainer.evaluate()
+        eval_metrics = _eval_at_the_last_step(trainer) or trainer.evaluate()
         trainer.log_metrics("eval", eval_metrics)
         trainer.save_metrics("eval", eval_metrics)
         metrics.update(eval_metrics)
@@ -156,6 +156,15 @@ def _train_and_evaluate(trainer, training_args: FusedCPOConfig, *, evaluate: boo
     if peak:
         trainer.accelerator.print(peak)
     return metrics
+
+
+def _eval_at_the_last_step(trainer) -> dict[str, float] | None:
+    """The evaluation Trainer already ran at the last step (eval_strategy steps does, at the end of training), so
+    that the final metrics do not cost a second pass over the eval split; None when it did not run one."""
+    last = next((h for h in reversed(trainer.state.log_history) if "eval_loss" in h), None)
+    if last is None or last.get("step") != trainer.state.global_step:
+        return None
+    return {k: v for k, v in last.items() if k.startswith("eval_") or k == "epoch"}
 
 
 def peak_memory_line() -> str | None:
