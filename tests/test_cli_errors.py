@@ -21,7 +21,7 @@ from trl_fused_cpo.toy import load_toy_preferences, toy_model, toy_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "dev" / "tiny_cpo.yaml")
-GPU_RECIPE = str(ROOT / "recipes" / "llama3" / "8B_lora_simpo.yaml")
+GPU_RECIPE = str(ROOT / "recipes" / "llama3" / "8B_lora_simpo_single_device.yaml")
 QUICK = ["--max_steps", "1", "--eval_strategy", "no", "--eval_on_start", "false", "--disable_tqdm", "true"]
 
 
