@@ -81,7 +81,7 @@ def test_tiny_recipe_trains_through_accelerate_launch(tmp_path):
 def test_lora_run_saves_the_adapter_and_tokenizer(tmp_path):
     # Plain `python scripts/train_cpo.py` (no launcher), LoRA on a tied-embedding toy model.
     out = tmp_path / "lora"
-    cmd = [sys.executable, SCRIPT, "--config", TINY, "--max_steps", "2", "--eval_strategy", "no", *QUICK]
+    cmd = [sys.executable, SCRIPT, "--config", TINY, "--max_steps", "2", "--eval_steps", "2", *QUICK]
     cmd += ["--use_peft", "true", "--lora_r", "4", "--lora_alpha", "8", "--lora_target_modules", "q_proj", "v_proj"]
     cmd += ["--tie_word_embeddings", "true", "--output_dir", str(out)]
     proc = _run(cmd, tmp_path)
@@ -90,7 +90,7 @@ def test_lora_run_saves_the_adapter_and_tokenizer(tmp_path):
     assert (out / "adapter_model.safetensors").exists() and (out / "adapter_config.json").exists()
     assert (out / "tokenizer.json").exists() and not (out / "model.safetensors").exists()
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
-    assert "eval_rewards/accuracies" in json.loads((out / "eval_results.json").read_text())
+    assert "eval_rewards/accuracies" in json.loads((out / "eval_results.json").read_text())  # the step-2 evaluation
 
 
 _DRIVER = textwrap.dedent(
