@@ -237,7 +237,7 @@ def test_accelerate_config_loads(config):
     cfg = load_config_from_file(str(ROOT / config))  # refuses unknown top-level keys
     assert isinstance(cfg, ClusterConfig)
     assert cfg.num_processes >= 1 and cfg.num_machines >= 1
-    assert cfg.mixed_precision == "bf16"
+    assert cfg.mixed_precision == ("no" if config.endswith("cpu_ddp.yaml") else "bf16")  # fp32 on CPU
     # Nested blocks are copied onto `accelerate launch` flags (fsdp_config.x -> --fsdp_x): each must be a real flag.
     flags = {action.dest for action in launch_command_parser()._actions}
     for key in cfg.fsdp_config:
@@ -343,7 +343,7 @@ def test_empty_conversational_completion_names_the_example():
 
 def test_conversational_data_needs_a_chat_template():
     tokenizer = toy_tokenizer()
-    assert tokenizer.chat_template is None
+    tokenizer.chat_template = None  # the toy tokenizer has one: take it away
     with pytest.raises(ValueError, match="conversational .* no chat_template"):
         validate_preference_dataset(_dataset(CONVERSATIONAL), tokenizer)
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"

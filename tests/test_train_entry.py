@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trl_fused_cpo.toy import TOY_MODEL_NAME, load_toy_preferences
+from trl_fused_cpo.toy import load_toy_preferences
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "recipes").rglob("*.yaml"))
@@ -54,19 +54,9 @@ def test_console_script_points_at_the_launcher():
 
 
 def _cpu_overrides(recipe: str) -> list[str]:
-    """The toy model on CPU in fp32, one step of one micro-batch: each GPU recipe's own settings otherwise (its packed
-    layout on sdpa's dense mask, the CPU path)."""
-    cpu = ["--use_cpu", "true", "--bf16", "false", "--tf32", "false", "--dtype", "float32"]
-    cpu += ["--model_name_or_path", TOY_MODEL_NAME, "--max_steps", "1", "--gradient_accumulation_steps", "1"]
-    cpu += ["--save_strategy", "no", "--logging_steps", "1", "--disable_tqdm", "true"]
-    text = (ROOT / recipe).read_text()
-    if "qlora" in recipe:  # bitsandbytes: no 4-bit base, no paged 8-bit optimizer on CPU
-        cpu += ["--load_in_4bit", "false", "--optim", "adamw_torch"]
-    if not torch.cuda.is_available() and "adamw_torch_fused" in text:
-        cpu += ["--optim", "adamw_torch"]
-    if "attn_implementation: flex_attention" in text:  # flex's backward needs CUDA
-        cpu += ["--attn_implementation", "sdpa"]
-    return cpu
+    """The launcher's own CPU switch (trl_fused_cpo/cpu_smoke.py: the toy model on CPU in fp32, each GPU recipe's own
+    settings otherwise, its packed layout on sdpa's dense mask), one step."""
+    return ["--cpu_smoke", "true", "--max_steps", "1", "--disable_tqdm", "true"]
 
 
 @pytest.mark.slow
@@ -110,7 +100,7 @@ def test_the_packed_opt_in_trains_through_the_launcher_like_padded(recipe, tmp_p
     for layout in ("padded", "prefix_shared"):
         argv = ["--config", str(ROOT / recipe), "--dataset_name", "toy", "--output_dir", str(tmp_path / layout)]
         argv += [*_cpu_overrides(recipe), "--batch_layout", layout, "--lora_dropout", "0", "--eval_strategy", "no"]
-        argv += ["--eval_on_start", "false", "--per_device_train_batch_size", "4"]
+        argv += ["--eval_on_start", "false", "--per_device_train_batch_size", "4", "--max_train_samples", "8"]
         metrics[layout] = main(*make_parser().parse_args_and_config(argv))
     assert metrics["prefix_shared"]["train_loss"] == pytest.approx(metrics["padded"]["train_loss"], rel=1e-5)
 
@@ -129,3 +119,97 @@ def test_peak_memory_line_reports_the_run_on_cuda_and_nothing_without(monkeypatc
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: 13.5 * gib)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: SimpleNamespace(total_memory=80 * gib))
     assert peak_memory_line() == ("Peak GPU memory (this process): 11.2 GiB allocated, 13.5 GiB reserved, of 80 GiB")
+
+
+# ------------------------------------------------------------------------- settings honoured, lines printed
+
+
+def _tiny(tmp_path, *extra: str):
+    from trl_fused_cpo.train import make_parser
+
+    argv = ["--config", str(ROOT / "recipes" / "dev" / "tiny_cpo.yaml"), "--output_dir", str(tmp_path / "out")]
+    argv += ["--max_steps", "2", "--disable_tqdm", "true", "--max_eval_samples", "8", *extra]
+    return make_parser().parse_args_and_config(argv)
+
+
+def test_eval_strategy_no_means_no_evaluation(tmp_path, capsys):
+    from trl_fused_cpo.train import main
+
+    metrics = main(*_tiny(tmp_path, "--eval_strategy", "no", "--eval_on_start", "false"))
+    assert not any(k.startswith("eval_") for k in metrics), metrics  # the final evaluation ran here before
+    assert not (tmp_path / "out" / "eval_results.json").exists()
+    assert "Final eval" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_the_toy_model_honours_attn_implementation(tmp_path, attention):
+    from trl_fused_cpo.models import load_model_and_tokenizer
+
+    script_args, training_args, model_args = _tiny(tmp_path, "--attn_implementation", attention)
+    model, _ = load_model_and_tokenizer(script_args, training_args, model_args)
+    assert model.config._attn_implementation == attention  # always sdpa before
+
+
+def test_opening_and_closing_lines_say_what_runs_and_what_it_did(tmp_path, capsys):
+    from trl_fused_cpo.train import main
+
+    main(*_tiny(tmp_path, "--eval_steps", "2", "--logging_steps", "1"))
+    lines = capsys.readouterr().out.splitlines()
+    opening = next(line for line in lines if line.startswith("Training "))
+    for words in ("toy-llama3", "on toy: 512 train / 8 eval pairs", "FusedCPOTrainer", "sigmoid loss"):
+        assert words in opening, (words, opening)
+    for words in ("fused loss on the torch backend", "batch_layout padded", "cpu, fp32, 1 process", "2 steps"):
+        assert words in opening, (words, opening)
+    closing = lines[-1]
+    assert closing.startswith("Done: eval_rewards/accuracies ") and "(step 0 -> 2)" in closing, closing
+    assert closing.endswith(f"Saved model and tokenizer to {tmp_path / 'out'}."), closing
+    # The final metrics reuse the evaluation Trainer ran at the last step (before, a second pass: steps [0, 2, 2]).
+    history = json.loads((tmp_path / "out" / "trainer_state.json").read_text())["log_history"]
+    assert [h["step"] for h in history if "eval_loss" in h] == [0, 2]
+
+
+def _conversational(rows: list[dict], explicit: bool) -> list[dict]:
+    """TRL's conversational formats of standard rows: explicit prompt (a prompt column) or implicit (in both sides)."""
+    out = []
+    for r in rows:
+        prompt = [{"role": "user", "content": r["prompt"]}]
+        chosen = [{"role": "assistant", "content": r["chosen"].strip()}]
+        rejected = [{"role": "assistant", "content": r["rejected"].strip()}]
+        if explicit:
+            out.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+        else:
+            out.append({"chosen": prompt + chosen, "rejected": prompt + rejected})
+    return out
+
+
+@pytest.mark.parametrize("explicit", [True, False], ids=["explicit prompt", "implicit prompt"])
+def test_conversational_data_trains_with_the_cpu_recipe_as_its_standard_form(tmp_path, explicit):
+    """The toy tokenizer's chat template renders a conversation to the same tokens as the standard row: one step on
+    either gives the same loss. (Before, the toy tokenizer had no chat template and this data was refused.)"""
+    from trl_fused_cpo.train import main
+
+    rows = load_toy_preferences("train")[:8]
+    losses = {}
+    for form, data in (("standard", rows), ("conversational", _conversational(rows, explicit))):
+        path = tmp_path / f"{form}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in data))
+        args = _tiny(tmp_path / form, "--dataset_name", str(path), "--max_steps", "1", "--eval_on_start", "false")
+        losses[form] = main(*args)["train_loss"]
+    assert losses["conversational"] == pytest.approx(losses["standard"], rel=1e-6), losses
+
+
+def test_chat_template_setting_gives_a_tokenizer_without_one_a_template(tmp_path):
+    from trl_fused_cpo.models import load_model_and_tokenizer
+    from trl_fused_cpo.toy import toy_model, toy_tokenizer
+
+    folder = tmp_path / "base"
+    tokenizer = toy_tokenizer()
+    tokenizer.chat_template = None
+    toy_model().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for message in messages %}{{ message['role'] }} {{ message['content'] }} {% endfor %}")
+    for value in (str(template), template.read_text()):
+        args = _tiny(tmp_path, "--model_name_or_path", str(folder), "--chat_template", value)
+        _, loaded = load_model_and_tokenizer(*args)
+        assert loaded.chat_template == template.read_text()

@@ -1,4 +1,5 @@
-"""The launcher end to end on CPU: through `accelerate launch`, with LoRA, and as 2-process DDP (gloo).
+"""The launcher end to end on CPU: through `accelerate launch`, with LoRA, and as 2-process DDP (gloo) through
+configs/cpu_ddp.yaml; a GPU accelerate config's bf16 on CPU gives way to the recipe's fp32.
 
 The DDP test is the one that catches a fused path that skips the wrapper's hooks: both ranks must end with the
 same parameters (gradients were all-reduced) and those must equal a 1-process run over the same global batch
@@ -80,7 +81,7 @@ def test_tiny_recipe_trains_through_accelerate_launch(tmp_path):
 def test_lora_run_saves_the_adapter_and_tokenizer(tmp_path):
     # Plain `python scripts/train_cpo.py` (no launcher), LoRA on a tied-embedding toy model.
     out = tmp_path / "lora"
-    cmd = [sys.executable, SCRIPT, "--config", TINY, "--max_steps", "2", "--eval_strategy", "no", *QUICK]
+    cmd = [sys.executable, SCRIPT, "--config", TINY, "--max_steps", "2", "--eval_steps", "2", *QUICK]
     cmd += ["--use_peft", "true", "--lora_r", "4", "--lora_alpha", "8", "--lora_target_modules", "q_proj", "v_proj"]
     cmd += ["--tie_word_embeddings", "true", "--output_dir", str(out)]
     proc = _run(cmd, tmp_path)
@@ -89,7 +90,7 @@ def test_lora_run_saves_the_adapter_and_tokenizer(tmp_path):
     assert (out / "adapter_model.safetensors").exists() and (out / "adapter_config.json").exists()
     assert (out / "tokenizer.json").exists() and not (out / "model.safetensors").exists()
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
-    assert "eval_rewards/accuracies" in json.loads((out / "eval_results.json").read_text())
+    assert "eval_rewards/accuracies" in json.loads((out / "eval_results.json").read_text())  # the step-2 evaluation
 
 
 _DRIVER = textwrap.dedent(
@@ -145,10 +146,12 @@ def test_ddp_two_ranks_match_one_process_over_the_same_global_batch(tmp_path):
     common += ["--logging_steps", "1", "--disable_tqdm", "true", "--seed", "42"]
 
     two, one = tmp_path / "two", tmp_path / "one"
-    # `--multi_gpu` is accelerate's torchrun launcher; with use_cpu (the recipe) each rank is a CPU process on gloo.
-    ddp = [*ACCELERATE, "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
-    ddp += ["--dynamo_backend", "no", "--main_process_port", "29517", str(driver)]
-    _run([*ddp, *common, "--per_device_train_batch_size", "2", "--output_dir", str(two)], tmp_path, threads=1)
+    # The shipped CPU config: accelerate's torchrun launcher; with use_cpu (the recipe) each rank is a CPU process.
+    ddp = [*ACCELERATE, "--config_file", str(ROOT / "configs" / "cpu_ddp.yaml"), "--main_process_port", "29517"]
+    ddp += [str(driver)]
+    proc = _run([*ddp, *common, "--per_device_train_batch_size", "2", "--output_dir", str(two)], tmp_path, threads=1)
+    # The recipe's ddp_find_unused_parameters: false: no "find_unused_parameters=True ... did not find any" per rank.
+    assert "find_unused_parameters" not in proc.stderr, proc.stderr[-3000:]
     _run(
         [sys.executable, str(driver), *common, "--per_device_train_batch_size", "4", "--output_dir", str(one)], tmp_path
     )
@@ -170,3 +173,15 @@ def test_ddp_two_ranks_match_one_process_over_the_same_global_batch(tmp_path):
 
     saved = load_file(two / "model.safetensors")
     torch.testing.assert_close(saved["lm_head.weight"], rank0["lm_head.weight"])
+
+
+@pytest.mark.slow
+def test_a_gpu_accelerate_config_on_cpu_keeps_the_recipe_fp32(tmp_path):
+    """configs/single_gpu.yaml exports mixed_precision bf16; on CPU with the recipe's bf16: false it ran bf16 autocast
+    (4.6x slower) silently. Now it is turned off, saying so, and the opening line says fp32."""
+    cmd = [*ACCELERATE, "--config_file", str(ROOT / "configs" / "single_gpu.yaml"), SCRIPT, "--config", TINY]
+    cmd += ["--max_steps", "1", "--eval_strategy", "no", *QUICK, "--output_dir", str(tmp_path / "out")]
+    proc = _run(cmd, tmp_path)
+    assert "mixed_precision: bf16 is off: this run is on CPU" in proc.stderr, proc.stderr[-3000:]
+    opening = next(line for line in proc.stdout.splitlines() if line.startswith("Training "))
+    assert "cpu, fp32, 1 process" in opening, opening

@@ -24,8 +24,9 @@ from transformers.hf_argparser import string_to_bool
 from trl import ModelConfig, ScriptArguments, TrlParser
 
 from .config import FusedCPOConfig
-from .data import TOY_DATASET_NAME
-from .toy import TOY_MODEL_NAME
+from .cpu_smoke import SMOKE_FLAG, cpu_smoke_overrides, gpu_settings, smoke_requested
+from .errors import LauncherError
+from .toy import TOY_DATASET_NAME, TOY_MODEL_NAME
 
 
 @dataclass
@@ -55,9 +56,26 @@ class CPOScriptArguments(ScriptArguments):
             "Ignored for pretrained models, whose config decides."
         },
     )
+    chat_template: str | None = field(
+        default=None,
+        metadata={
+            "help": "A chat template for conversational data: the Jinja text, or the path of a file holding it. Set on "
+            "the tokenizer (replacing its own), for tokenizers without one, such as base models'. The toy tokenizer "
+            "has one (each message's content, space-separated)."
+        },
+    )
+    cpu_smoke: bool = field(
+        default=False,
+        metadata={
+            "help": f"Run the recipe on CPU at toy size, to check a recipe and your data before renting a GPU: the "
+            f"{TOY_MODEL_NAME} model in fp32, no bf16/tf32/4-bit, sdpa for flex_attention, the toy data for a hub "
+            "dataset (a local --dataset_name is kept), 2 steps at max_length 64; the recipe's loss, LoRA and batch "
+            "layout are kept. Flags on the command line still override it."
+        },
+    )
 
 
-class RecipeError(ValueError):
+class RecipeError(LauncherError):
     """A recipe or command line the launcher refuses before anything loads; the CLI prints it without a traceback."""
 
 
@@ -211,6 +229,8 @@ class RecipeParser(TrlParser):
 
     _config_path: str | None = None
     _help_all: bool = False
+    _smoke: bool | None = None  # --cpu_smoke on the command line (None: absent, the recipe's value counts)
+    _argv: list[str] = []
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("usage", _USAGE)
@@ -224,8 +244,13 @@ class RecipeParser(TrlParser):
         if "--help-all" in argv:
             self._help_all = True
             argv = [a if a != "--help-all" else "--help" for a in argv]
-        if "--config" in argv and argv.index("--config") + 1 < len(argv):
+        if "--config" in argv:
+            if argv.index("--config") + 1 >= len(argv):
+                raise RecipeError("--config needs a recipe file: --config recipes/dev/tiny_cpo.yaml")
             self._config_path = argv[argv.index("--config") + 1]
+            _check_recipe_file(self._config_path)
+        self._smoke = smoke_requested(argv)
+        self._argv = argv
         known = {s for action in self._actions for s in action.option_strings} | {"--config"}
         unknown = [a.split("=", 1)[0] for a in argv if a.startswith("--") and a.split("=", 1)[0] not in known]
         if unknown and not kwargs.get("return_remaining_strings") and not (pargs and pargs[0]):
@@ -234,9 +259,26 @@ class RecipeParser(TrlParser):
                 f"Unknown flag(s) {', '.join(hints)}. Every flag is a field of CPOScriptArguments, FusedCPOConfig "
                 "or ModelConfig (--help lists the main ones, --help-all all)."
             )
+        if self._config_path is None and self._smoke:
+            self.set_defaults_with_config()  # no recipe: --cpu_smoke still replaces the defaults
         return super().parse_args_and_config(argv, *pargs, **kwargs)
 
+    def parse_args_into_dataclasses(self, args=None, *pargs, **kwargs):
+        # Before the dataclasses are built: TrainingArguments refuses a GPU setting on a CPU machine with a message
+        # about use_cpu; here the refusal names the recipe's settings and the command that runs it on CPU.
+        namespace, _ = self.parse_known_args(args=args)
+        _refuse_gpu_recipe_without_cuda(vars(namespace), self._config_path, self._argv)
+        where = f"Recipe {self._config_path}" if self._config_path else "The command line"
+        try:
+            return super().parse_args_into_dataclasses(args, *pargs, **kwargs)
+        except LauncherError:
+            raise
+        except ValueError as err:  # a config's __post_init__ refusal (FusedCPOConfig, TrainingArguments, ...)
+            raise RecipeError(f"{where}: {' '.join(str(err).split())}") from err
+
     def set_defaults_with_config(self, **kwargs) -> list[str]:
+        if self._smoke or (self._smoke is None and kwargs.get("cpu_smoke") is True):
+            kwargs = {**kwargs, **cpu_smoke_overrides(kwargs)}
         actions = {a.dest: a for a in self._actions if not isinstance(a, argparse._SubParsersAction)}
         where = f"Recipe {self._config_path}" if self._config_path else "Recipe"
         unknown = [key for key in kwargs if key not in actions]
@@ -331,6 +373,56 @@ class RecipeParser(TrlParser):
         total = len({a.dest for a in self._actions if a.option_strings and a.dest != "help"})
         formatter.add_text(f"{shown} of {total} fields shown: --help-all lists them all.")
         return formatter.format_help()
+
+
+def _check_recipe_file(path: str) -> None:
+    """The recipe exists and is a YAML mapping; else one message with the file (and line) and the fix."""
+    import os
+
+    import yaml
+
+    if not os.path.isfile(path):
+        raise RecipeError(
+            f"Recipe {path}: no such file (from {os.getcwd()}). The shipped recipes are under recipes/ in a checkout "
+            "of the repository, e.g. --config recipes/dev/tiny_cpo.yaml (CPU)."
+        )
+    try:
+        with open(path, encoding="utf-8") as f:
+            recipe = yaml.safe_load(f)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f", line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise RecipeError(
+            f"Recipe {path}{at}: not valid YAML ({problem}). A recipe is flat `key: value` lines."
+        ) from None
+    if not isinstance(recipe, dict):
+        raise RecipeError(
+            f"Recipe {path}: a YAML {type(recipe).__name__}, expected a mapping of `key: value` lines "
+            "(every key a field; --help-all lists them)."
+        )
+
+
+def _refuse_gpu_recipe_without_cuda(values: dict[str, Any], config_path: str | None, argv: list[str]) -> None:
+    """A GPU setting on a machine without CUDA: say so, and print the command that runs the recipe on CPU."""
+    import shlex
+
+    import torch
+
+    needs = gpu_settings(values)
+    if not needs or torch.cuda.is_available():
+        return
+    what = f"Recipe {config_path}" if config_path else "This command line"
+    kept = [
+        a
+        for i, a in enumerate(argv)
+        if not a.startswith(SMOKE_FLAG) and (i == 0 or argv[i - 1] != SMOKE_FLAG or a.startswith("--"))
+    ]
+    command = shlex.join(["trl-fused-cpo", *kept, SMOKE_FLAG, "true"])
+    raise RecipeError(
+        f"{what} needs a CUDA GPU ({', '.join(needs)}) and this machine has none. To check the recipe and your data "
+        f"on CPU at toy size: {command}"
+    )
 
 
 def make_parser(prog: str | None = None) -> RecipeParser:

@@ -14,12 +14,13 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
-from .toy import load_toy_preferences
+from .errors import LauncherError
+from .toy import TOY_DATASET_NAME, load_toy_preferences
 
-if TYPE_CHECKING:  # annotations only: the launcher's arguments
+if TYPE_CHECKING:  # annotations only: the launcher's arguments (cli.py imports nothing from here)
     from .cli import CPOScriptArguments
 
-TOY_DATASET_NAME = "toy"  # recipes name the shipped preference data by this
+__all__ = ["TOY_DATASET_NAME", "load_preference_dataset", "validate_preference_dataset"]
 _LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
@@ -29,18 +30,19 @@ def load_preference_dataset(script_args: CPOScriptArguments):
 
     name = script_args.dataset_name
     if not name:
-        raise ValueError("dataset_name is required: a hub name, a local file or folder, or 'toy'.")
+        raise LauncherError("dataset_name is required: a hub name, a local file or folder, or 'toy'.")
     if script_args.dataset_streaming:
-        raise ValueError(
+        raise LauncherError(
             "dataset_streaming=True is not supported: CPOTrainer tokenizes the whole dataset before training. "
             "Set dataset_streaming: false (and max_train_samples to cap the size)."
         )
     if name == TOY_DATASET_NAME:
         return DatasetDict({split: Dataset.from_list(load_toy_preferences(split)) for split in ("train", "test")})
+    _refuse_missing_local_path(name)
     if os.path.isfile(name):
         ext = os.path.splitext(name)[1].lower()
         if ext not in _LOCAL_FORMATS:
-            raise ValueError(f"dataset_name={name!r}: local files must be one of {sorted(_LOCAL_FORMATS)}.")
+            raise LauncherError(f"dataset_name={name!r}: local files must be one of {sorted(_LOCAL_FORMATS)}.")
         return _load_local([name], lambda: load_dataset(_LOCAL_FORMATS[ext], data_files=name))  # one split: "train"
     if os.path.isdir(name):
         if os.path.exists(os.path.join(name, "dataset_dict.json")) or os.path.exists(
@@ -56,6 +58,17 @@ def load_preference_dataset(script_args: CPOScriptArguments):
         )
         return _load_local(files, lambda: load_dataset(name, name=script_args.dataset_config))
     return load_dataset(name, name=script_args.dataset_config)
+
+
+def _refuse_missing_local_path(name: str) -> None:
+    """A name that can only be a local file or folder (a data file's extension, or ./ ../ /) must exist: otherwise
+    datasets takes it for a hub dataset and fails on the network or with a hub error that never names the file."""
+    looks_local = os.path.splitext(name)[1].lower() in _LOCAL_FORMATS or name.startswith(("/", "./", "../"))
+    if looks_local and not os.path.exists(name):
+        raise LauncherError(
+            f"dataset_name={name!r}: no such file or folder (from {os.getcwd()}). Give an existing .jsonl/.json/"
+            f".parquet file or folder, a hub dataset name, or {TOY_DATASET_NAME!r} for the shipped toy data."
+        )
 
 
 def _load_local(paths: list[str], load):
@@ -74,7 +87,7 @@ def _load_local(paths: list[str], load):
         for path in paths:
             problem = _first_bad_json_line(path)
             if problem:
-                raise ValueError(problem) from err
+                raise LauncherError(problem) from err
         raise
 
 
@@ -97,7 +110,7 @@ def _check_utf8_and_not_empty(path: str) -> None:
         except UnicodeDecodeError:
             _raise_on_first_non_utf8_line(path)
     if not has_content:
-        raise ValueError(f"{path} is empty: it holds no preference pairs (prompt, chosen, rejected).")
+        raise LauncherError(f"{path} is empty: it holds no preference pairs (prompt, chosen, rejected).")
 
 
 def _raise_on_first_non_utf8_line(path: str) -> None:
@@ -106,7 +119,7 @@ def _raise_on_first_non_utf8_line(path: str) -> None:
             try:
                 line.decode("utf-8")
             except UnicodeDecodeError as err:
-                raise ValueError(
+                raise LauncherError(
                     f"{path}, line {number}: not UTF-8 ({err.reason} at byte {err.start} of the line: "
                     f"{line[max(0, err.start - 20) : err.start + 20]!r}). Save the file as UTF-8, e.g. from Latin-1: "
                     f"`iconv -f latin1 -t utf-8 {os.path.basename(path)} > utf8.jsonl`."
@@ -176,19 +189,20 @@ def validate_preference_dataset(dataset, tokenizer=None, *, split: str = "train"
     columns = list(dataset.column_names)
     missing = [c for c in ("chosen", "rejected") if c not in columns]
     if missing:
-        raise ValueError(
+        raise LauncherError(
             f"The {split!r} split has no {' or '.join(repr(c) for c in missing)} column: CPO needs 'chosen' and "
             f"'rejected' (and optionally 'prompt'). Columns present: {columns}. Rename them, e.g. "
             "dataset.rename_columns({'response_a': 'chosen', 'response_b': 'rejected'})."
         )
     if len(dataset) == 0:
-        raise ValueError(f"The {split!r} split is empty.")
+        raise LauncherError(f"The {split!r} split is empty.")
     conversational = is_conversational(dataset[0])
     if conversational and tokenizer is not None and getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError(
+        raise LauncherError(
             f"The {split!r} split is conversational (lists of {{'role', 'content'}} messages), but the tokenizer "
-            f"({type(tokenizer).__name__}) has no chat_template to render them with. Use an instruct/chat "
-            "tokenizer, set tokenizer.chat_template, or convert the data to the standard (plain text) format."
+            f"({type(tokenizer).__name__}) has no chat_template to render them with. Set one with --chat_template "
+            "(a Jinja string or a .jinja file), use an instruct/chat tokenizer, or convert the data to the standard "
+            "(plain text) format."
         )
     has_prompt = "prompt" in columns
     if has_prompt:  # as maybe_extract_prompt: a prompt column in the other format than chosen is re-extracted
@@ -197,7 +211,7 @@ def validate_preference_dataset(dataset, tokenizer=None, *, split: str = "train"
     for index, row in enumerate(dataset.select_columns(["chosen", "rejected"])):
         for key in ("chosen", "rejected"):
             if row[key] is None:
-                raise ValueError(f"Example {index} of the {split!r} split has no {key!r} value (None).")
+                raise LauncherError(f"Example {index} of the {split!r} split has no {key!r} value (None).")
         _check_completions(row, index, split, "")
         if not has_prompt:
             # The prompt is implicit: TRL takes the shared prefix of chosen and rejected. When one is a prefix of the
@@ -206,7 +220,7 @@ def validate_preference_dataset(dataset, tokenizer=None, *, split: str = "train"
             chosen, rejected = row["chosen"], row["rejected"]
             for key, a, b in (("chosen", chosen, rejected), ("rejected", rejected, chosen)):
                 if len(a) <= len(b) and b[: len(a)] == a:
-                    raise ValueError(
+                    raise LauncherError(
                         f"Example {index} of the {split!r} split has an empty {key!r} completion once the shared "
                         f"prompt prefix is removed ({key} is a prefix of the other side, or equal to it). Drop or fix "
                         "that example, or give the prompt in its own 'prompt' column."
@@ -223,12 +237,12 @@ def _check_completions(row: dict, index: int, split: str, where: str) -> None:
     for key in ("chosen", "rejected"):
         text = _text(row[key])
         if text is None:
-            raise ValueError(
+            raise LauncherError(
                 f"Example {index} of the {split!r} split: {key!r} is a {type(row[key]).__name__}, expected a "
                 "string (standard format) or a list of {'role', 'content'} messages (conversational)."
             )
         if not text.strip():
-            raise ValueError(
+            raise LauncherError(
                 f"Example {index} of the {split!r} split has an empty {key!r} completion{where}: its sequence "
                 "log-prob would be 0/0. Drop or fix that example."
             )

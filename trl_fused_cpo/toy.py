@@ -14,6 +14,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 TOY_MODEL_NAME = "toy-llama3"  # recipes name the embedded model by this
+TOY_DATASET_NAME = "toy"  # recipes name the shipped preference data by this
 CATEGORIES: dict[str, list[str]] = {
     "fruits": "apple pear plum grape mango lemon lime peach cherry melon kiwi fig".split(),
     "animals": "cat dog horse sheep goat mouse tiger lion bear wolf fox owl".split(),
@@ -23,6 +24,10 @@ CATEGORIES: dict[str, list[str]] = {
 }
 PROMPT_WORDS = "name some please list a few give me".split() + list(CATEGORIES) + [":"]
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+# Conversational data on the toy tokenizer: each message's content and a space (the word-level vocabulary has no role
+# tokens; the tokenizer splits on whitespace). A prompt's rendering is a prefix of the rendering with its answer, as
+# TRL's chat-template step requires, with or without add_generation_prompt.
+TOY_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] + ' ' }}{% endfor %}"
 
 
 def toy_vocab() -> list[str]:
@@ -31,15 +36,17 @@ def toy_vocab() -> list[str]:
 
 
 def toy_tokenizer() -> PreTrainedTokenizerFast:
-    """A word-level tokenizer over :func:`toy_vocab`, with Llama-3-style bos/eos and a pad token."""
+    """A word-level tokenizer over :func:`toy_vocab`, with Llama-3-style bos/eos, a pad token and a chat template."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = {w: i for i, w in enumerate(toy_vocab())}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
     )
+    tokenizer.chat_template = TOY_CHAT_TEMPLATE
+    return tokenizer
 
 
 def toy_config(vocab_size: int, *, tie_word_embeddings: bool = False, **overrides) -> LlamaConfig:
@@ -66,7 +73,12 @@ def toy_config(vocab_size: int, *, tie_word_embeddings: bool = False, **override
 def toy_model(
     *, tie_word_embeddings: bool = False, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides
 ) -> LlamaForCausalLM:
-    """A random-init toy Llama-3 sized to :func:`toy_tokenizer`'s vocabulary."""
+    """A random-init toy Llama-3 sized to :func:`toy_tokenizer`'s vocabulary.
+
+    ``attn_implementation=...`` among ``overrides`` selects the attention as ``from_pretrained`` would (default sdpa);
+    transformers refuses one it cannot run (``flash_attention_2`` without the package: ``ImportError``). The same seed
+    gives the same weights whatever the attention.
+    """
     torch.manual_seed(seed)
     config = toy_config(len(toy_vocab()), tie_word_embeddings=tie_word_embeddings, **overrides)
     return LlamaForCausalLM(config).to(dtype)

@@ -19,12 +19,15 @@ with one logged line) → save the model (the adapter under LoRA) and tokenizer 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
-from .cli import CPOScriptArguments, RecipeError, make_parser
+from .cli import CPOScriptArguments, make_parser
 from .config import FusedCPOConfig
 from .data import load_preference_dataset, validate_preference_dataset
+from .errors import DEBUG_ENV, LauncherError
 from .models import load_model_and_tokenizer
+from .run_summary import closing_line, opening_line
 
 __all__ = ["cli_main", "main", "make_parser"]
 
@@ -46,10 +49,15 @@ def main(script_args: CPOScriptArguments, training_args: FusedCPOConfig, model_a
     logger.setLevel(min(log_level, logging.WARNING))  # the launcher's own warnings, whatever the global verbosity
     transformers.utils.logging.set_verbosity(log_level)
 
+    refuse_one_process_cpu_launch(os.environ)
+    _cpu_keeps_the_recipe_precision(training_args)
     model, tokenizer = load_model_and_tokenizer(script_args, training_args, model_args)
     peft_config = get_peft_config(model_args)
     train_dataset, eval_dataset = _load_splits(script_args, training_args, tokenizer)
     trainer = _build_trainer(script_args, training_args, model, tokenizer, peft_config, train_dataset, eval_dataset)
+    n_eval = len(eval_dataset) if eval_dataset is not None else None
+    opening = opening_line(trainer, script_args, model_args, len(train_dataset), n_eval, eval_dataset is not None)
+    trainer.accelerator.print(opening)
     metrics = _train_and_evaluate(trainer, training_args, evaluate=eval_dataset is not None)
 
     # Save: the full model, or only the adapter under LoRA; the tokenizer goes with it (Trainer saves
@@ -57,7 +65,7 @@ def main(script_args: CPOScriptArguments, training_args: FusedCPOConfig, model_a
     trainer.save_model(training_args.output_dir)
     trainer.save_state()
     what = "adapter" if peft_config is not None else "model"
-    trainer.accelerator.print(f"Saved {what} and tokenizer to {training_args.output_dir}")
+    trainer.accelerator.print(closing_line(trainer.state.log_history, what, training_args.output_dir))
     # Destroy the process group before exit, as torch asks: without it NCCL warns "process group has NOT been
     # destroyed" on every rank. No-op in one process.
     trainer.accelerator.end_training()
@@ -71,21 +79,27 @@ def _load_splits(script_args: CPOScriptArguments, training_args: FusedCPOConfig,
 
     dataset = load_preference_dataset(script_args)
     if script_args.dataset_train_split not in dataset:
-        raise ValueError(
+        raise LauncherError(
             f"dataset_train_split={script_args.dataset_train_split!r} is not in {script_args.dataset_name!r}; "
             f"its splits are {list(dataset)}."
         )
     train_dataset = dataset[script_args.dataset_train_split]
     eval_dataset = dataset[script_args.dataset_test_split] if script_args.dataset_test_split in dataset else None
-    if eval_dataset is None:
+    if training_args.eval_strategy == IntervalStrategy.NO and not training_args.eval_on_start:
+        eval_dataset = None  # eval_strategy: 'no' means no evaluation, the final one included
+        training_args.do_eval = False
+    elif eval_dataset is None:
         _turn_evaluation_off(training_args, script_args, list(dataset), IntervalStrategy.NO)
     if script_args.max_train_samples is not None:
         train_dataset = train_dataset.select(range(min(script_args.max_train_samples, len(train_dataset))))
     if eval_dataset is not None and script_args.max_eval_samples is not None:
         eval_dataset = eval_dataset.select(range(min(script_args.max_eval_samples, len(eval_dataset))))
-    validate_preference_dataset(train_dataset, tokenizer, split=script_args.dataset_train_split)
-    if eval_dataset is not None:
-        validate_preference_dataset(eval_dataset, tokenizer, split=script_args.dataset_test_split)
+    try:
+        validate_preference_dataset(train_dataset, tokenizer, split=script_args.dataset_train_split)
+        if eval_dataset is not None:
+            validate_preference_dataset(eval_dataset, tokenizer, split=script_args.dataset_test_split)
+    except LauncherError as err:
+        raise LauncherError(f"dataset_name={script_args.dataset_name!r}: {err}") from err
     return train_dataset, eval_dataset
 
 
@@ -108,6 +122,8 @@ def _build_trainer(script_args, training_args, model, tokenizer, peft_config, tr
             processing_class=tokenizer,
             peft_config=peft_config,
         )
+    except ValueError as err:  # the trainer's refusals say what, why and the fix (a LoRA adapter on lm_head, ...)
+        raise LauncherError(f"FusedCPOTrainer refuses this setup: {err}") from err
     finally:
         if bars:
             datasets.enable_progress_bars()
@@ -127,7 +143,7 @@ def _train_and_evaluate(trainer, training_args: FusedCPOConfig, *, evaluate: boo
     trainer.log_metrics("train", train_result.metrics)
     trainer.save_metrics("train", train_result.metrics)
     if evaluate:
-        eval_metrics = trainer.evaluate()
+        eval_metrics = _eval_at_the_last_step(trainer) or trainer.evaluate()
         trainer.log_metrics("eval", eval_metrics)
         trainer.save_metrics("eval", eval_metrics)
         metrics.update(eval_metrics)
@@ -140,6 +156,15 @@ def _train_and_evaluate(trainer, training_args: FusedCPOConfig, *, evaluate: boo
     if peak:
         trainer.accelerator.print(peak)
     return metrics
+
+
+def _eval_at_the_last_step(trainer) -> dict[str, float] | None:
+    """The evaluation Trainer already ran at the last step (eval_strategy steps does, at the end of training), so
+    that the final metrics do not cost a second pass over the eval split; None when it did not run one."""
+    last = next((h for h in reversed(trainer.state.log_history) if "eval_loss" in h), None)
+    if last is None or last.get("step") != trainer.state.global_step:
+        return None
+    return {k: v for k, v in last.items() if k.startswith("eval_") or k == "epoch"}
 
 
 def peak_memory_line() -> str | None:
@@ -167,7 +192,7 @@ def _turn_evaluation_off(training_args: FusedCPOConfig, script_args: CPOScriptAr
     (eval_strategy: 'no') would then fail in Trainer on the recipe's eval_on_start.
     """
     if training_args.load_best_model_at_end:
-        raise ValueError(
+        raise LauncherError(
             f"load_best_model_at_end needs evaluation, but dataset_test_split={script_args.dataset_test_split!r} is "
             f"not in {script_args.dataset_name!r} (splits {splits}). Give a test split (a folder with train.jsonl and "
             "test.jsonl) or set dataset_test_split to one of the splits, or set load_best_model_at_end: false."
@@ -186,18 +211,70 @@ def _turn_evaluation_off(training_args: FusedCPOConfig, script_args: CPOScriptAr
         )
 
 
+def _cpu_keeps_the_recipe_precision(training_args: FusedCPOConfig) -> None:
+    """On CPU, the accelerate config's mixed precision gives way to the recipe's, saying so.
+
+    ``accelerate launch --config_file configs/single_gpu.yaml`` exports ``ACCELERATE_MIXED_PRECISION=bf16``, which the
+    Trainer's Accelerator reads when the recipe sets neither bf16 nor fp16: a CPU recipe (bf16: false) then ran bf16
+    autocast on CPU, 4.6x slower, without a word. A recipe that asks for bf16 on CPU still gets it.
+    """
+    import torch
+
+    from_config = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    on_cpu = training_args.use_cpu or not torch.cuda.is_available()
+    if on_cpu and from_config in ("bf16", "fp16") and not (training_args.bf16 or training_args.fp16):
+        os.environ["ACCELERATE_MIXED_PRECISION"] = "no"  # what the Accelerator reads by default
+        if getattr(training_args, "mixed_precision", None) is not None:
+            training_args.mixed_precision = "no"  # transformers 5.25 copied it in __post_init__
+        if training_args.should_log:
+            logger.warning(
+                "The accelerate config's mixed_precision: %s is off: this run is on CPU and the recipe says bf16: "
+                "false (CPU autocast ran the toy recipe 4.6x slower). For two CPU processes use "
+                "configs/cpu_ddp.yaml; set bf16: true in the recipe to autocast on CPU anyway.",
+                from_config,
+            )
+
+
+def refuse_one_process_cpu_launch(env) -> None:
+    """``accelerate launch --cpu --num_processes N`` (N > 1) starts one process, not N: refuse it, naming what works.
+
+    accelerate's CPU launcher starts N processes only through mpirun (``--mpirun_hostfile``); without it, it runs the
+    script once, with ``MASTER_PORT`` set (for N > 1) but no ``WORLD_SIZE``, and training would silently use one.
+    """
+    on_cpu = str(env.get("ACCELERATE_USE_CPU", "")).lower() in ("1", "true", "yes")
+    launched_for_several = "MASTER_PORT" in env and "WORLD_SIZE" not in env
+    mpi = any(k in env for k in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"))
+    if on_cpu and launched_for_several and not mpi:
+        raise LauncherError(
+            "`accelerate launch --cpu --num_processes N` starts one process on CPU, not N (accelerate needs mpirun "
+            "for more). For two CPU processes: accelerate launch --config_file configs/cpu_ddp.yaml scripts/train_cpo.py"
+            " --config RECIPE.yaml, or torchrun --nproc_per_node 2 scripts/train_cpo.py --config RECIPE.yaml."
+        )
+
+
+_USAGE_LINE = "usage: trl-fused-cpo --config RECIPE.yaml [--FIELD VALUE ...]   (--help: the main flags)"
+
+
 def cli_main(argv: list[str] | None = None) -> None:
     """The ``trl-fused-cpo`` command: parse ``argv`` (default ``sys.argv[1:]``) and run :func:`main`.
 
-    A refused recipe or command line prints one ``error:`` line (no traceback) and exits with status 2, as argparse
-    does for its own errors.
+    A refusal (a :class:`LauncherError`: the recipe, the command line, the data, the model or the machine) prints one
+    ``error:`` line (no traceback) and exits with status 2, as argparse does for its own errors; with
+    ``TRL_FUSED_CPO_DEBUG=1`` it is raised with its traceback instead. Without ``--config``: the usage, and that.
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = os.environ.get(DEBUG_ENV, "").lower() in ("1", "true", "yes")
+    if "--config" not in argv and not {"--help", "-h", "--help-all"} & set(argv):
+        print(_USAGE_LINE, file=sys.stderr)
+        print("error: --config RECIPE.yaml is required (recipes/dev/tiny_cpo.yaml runs on CPU).", file=sys.stderr)
+        raise SystemExit(2)
     try:
-        args = make_parser().parse_args_and_config(argv)
-    except RecipeError as err:
-        print(f"error: {err}", file=sys.stderr)
+        main(*make_parser().parse_args_and_config(argv))
+    except LauncherError as err:
+        if debug:
+            raise
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         raise SystemExit(2) from None
-    main(*args)
 
 
 if __name__ == "__main__":
