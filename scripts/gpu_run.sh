@@ -106,7 +106,7 @@ for what in "${steps[@]}"; do
         | tee -a "$OUT/recipe_1b.txt"
       timeout 240 accelerate launch --config_file configs/single_gpu.yaml scripts/train_cpo.py \
         --config recipes/llama3_2/1B_full_cpo_single_device.yaml --model_name_or_path /tmp/llama3.2-1b \
-        --dataset_name /tmp/llama3.2-1b/data --max_steps 6 --logging_steps 1 --eval_strategy no --eval_on_start false \
+        --dataset_name /tmp/llama3.2-1b/data --max_steps 6 --logging_steps 1 --eval_on_start false \
         --save_strategy no --output_dir /tmp/run1b ${RECIPE_ARGS:-} 2>&1 | grep -vE "Map|Generating|it/s]|s/it]" \
         | tail -30 | tee -a "$OUT/recipe_1b.txt" ;;
     qlora-70b)  # the 70B QLoRA recipe's peak memory: its real widths at 2 and 4 decoder layers (worst-case pairs,
