@@ -237,6 +237,21 @@ def test_loss_arguments_name_each_shared_prompt_position_once():
     assert (free["shared_pair"] == -1).all() and free["row_lengths"].tolist() == [5, 3, 5, 3]
 
 
+def test_dataloader_pinning_reaches_every_tensor(monkeypatch):
+    """Trainer's DataLoader pins its batches (``dataloader_pin_memory``): the PackedBatch in the batch is pinned
+    whole, so the step's non-blocking copy does not stall the host. Pinning needs CUDA: a stand-in records it."""
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    pinned = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t, *a: pinned.append(t) or t.clone())
+    batch = handmade_batch([([1, 10, 11, 30, 2], 3, [1, 10, 11, 31, 2], 3)])
+    packed = pack_pairs(batch, "prefix_shared", pad_token_id=PAD)
+    out = pin_memory({"fused_cpo_packed": packed})["fused_cpo_packed"]
+    tensors = [v for v in vars(packed).values() if isinstance(v, torch.Tensor)]
+    assert isinstance(out, PackedBatch) and len(pinned) == len(tensors) == 7
+    assert all(torch.equal(getattr(out, k), v) for k, v in vars(packed).items() if isinstance(v, torch.Tensor))
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_mask_hides_exactly_what_the_rule_says(layout):
     """Spot checks of the dense mask against hand-read positions (the hidden-state tests check it as a whole)."""

@@ -35,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .ops.schedule import DEFAULT_CHUNK_BYTES_TRAINABLE
 from .packing import PADDED, PREFIX_SHARED
+from .support import unwrap_causal_lm
 
 logger = logging.getLogger(__name__)
 
@@ -264,7 +265,7 @@ def plan_for_training(
     total)`` bytes, read from the model's CUDA device when None; ignored when ``sharded`` (FSDP / DeepSpeed shard the
     state that the budget counts whole)."""
     policy = check_policy(getattr(args, "activation_policy", "auto"))
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    lm = unwrap_causal_lm(model)
     config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
     device = next(model.parameters()).device
     if memory is None and device.type == "cuda" and not sharded:

@@ -108,11 +108,17 @@ class PackedBatch:
 
     def to(self, device: torch.device | str) -> PackedBatch:
         """A copy with every tensor on ``device`` (non-blocking where the source is pinned)."""
-        moved = {
-            f.name: (v.to(device, non_blocking=True) if isinstance(v := getattr(self, f.name), torch.Tensor) else v)
-            for f in fields(self)
-        }
-        return PackedBatch(**moved)
+        return self._map(lambda t: t.to(device, non_blocking=True))
+
+    def pin_memory(self, device: torch.device | str | None = None) -> PackedBatch:
+        """A copy in pinned host memory: the DataLoader's ``pin_memory=True`` (Trainer's default) calls this in its
+        pinning thread, so the step's ``to(device)`` is an asynchronous copy, not a host stall."""
+        return self._map(lambda t: t.pin_memory() if device is None else t.pin_memory(device))
+
+    def _map(self, fn) -> PackedBatch:
+        return PackedBatch(
+            **{f.name: (fn(v) if isinstance(v := getattr(self, f.name), torch.Tensor) else v) for f in fields(self)}
+        )
 
 
 def _unpadded_rows(batch: Mapping[str, torch.Tensor], side: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
