@@ -20,6 +20,11 @@
 #          benchmark's lengths, then prefix_shared's from 1.5x it), e2e-kernels (Liger's backbone kernels and
 #          torch.compile end to end: 1B full and 8B LoRA at 8 pairs, stock / fused / fused+liger / fused+compile /
 #          fused+liger+compile, ≈ 5 min), e2e-kernels-regional (the compiled variants with regional compilation, ≈ 2-3 min);
+#          attention (scripts/benchmark_attention.py: packed attention alone, every route, ≈ 3 min), probe (the
+#          construction probe's cost at Llama-3-8B shape), backbone (unique-token MFU: stock, prefix_shared on flex
+#          and on fused_cpo_varlen, activation_policy none / auto; 1B / 16 and 8B LoRA / 8, ≈ 9 min), long-context
+#          (the longest pair each trainer trains, 8B LoRA and 1B full, ≈ 18 min: two calls), long-fixed (16k and
+#          32k tokens a pair at 8B LoRA);
 #          default: tests profile. TESTS_LIMIT_S caps tests / tests-cuda (default 540 s).
 # A/B against earlier commits, in one device call. Stage the "before" versions on THIS machine (it has the history),
 # then carry "ab" (ignored by git) with the call:
