@@ -200,8 +200,9 @@ for what in "${steps[@]}"; do
           --out "$OUT/backbone_$model" 2>&1 | grep -vE "it/s]|s/it]" | tail -16 | tee -a "$OUT/backbone.txt"
       done ;;
     long-context)  # issue 40: the longest pair each trainer trains (8B LoRA, then 1B full), then 16k / 32k fixed.
-      # Each search is bounded by its --budget-s; LONG_ATTN (default fused_cpo_varlen) is the fused trainers' attention
-      attn=${LONG_ATTN:-fused_cpo_varlen}
+      # Each search is bounded by its --budget-s. LONG_ATTN: the fused trainers' attention (default flex_attention,
+      # the recipe's; LONG_ATTN=fused_cpo_varlen compares the varlen form)
+      attn=${LONG_ATTN:-flex_attention}
       timeout 560 python3 scripts/benchmark_long_context.py --models llama3.1-8b --steps 1 --start 16384 \
         --tolerance 4096 --granularity 1024 --option tiled_mlp_tokens=8192 --attn "$attn" --budget-s 520 \
         --try-timeout-s 300 --out "$OUT/long_8b" 2>&1 | tail -20
@@ -210,7 +211,7 @@ for what in "${steps[@]}"; do
         --try-timeout-s 300 --out "$OUT/long_1b" 2>&1 | tail -20 ;;
     long-fixed)  # issue 40: 16k and 32k tokens a pair, each trainer that fits, 8B LoRA
       timeout 560 python3 scripts/benchmark_long_context.py --mode fixed --lengths 16384,32768 --models llama3.1-8b \
-        --steps 2 --option tiled_mlp_tokens=8192 --attn "${LONG_ATTN:-fused_cpo_varlen}" --budget-s 520 \
+        --steps 2 --option tiled_mlp_tokens=8192 --attn "${LONG_ATTN:-flex_attention}" --budget-s 520 \
         --out "$OUT/long_fixed" 2>&1 | tail -20 ;;
     *) echo "unknown step $what" ;;
   esac

@@ -55,7 +55,7 @@ class FusedCPOConfig(CPOConfig):
             pair once as `[prompt | chosen | rejected]`, rejected never attending to chosen). The same losses,
             log-probs, rewards and gradients in all three; a packed layout's `logits/chosen` and `logits/rejected`
             average only the positions the sequences have. Packed layouts need `attn_implementation`
-            `"flex_attention"` (GPU) or `"sdpa"` / `"eager"` (a dense mask: CPU and tests).
+            `"flex_attention"` or `"fused_cpo_varlen"` (GPU) or `"sdpa"` / `"eager"` (a dense mask: CPU and tests).
         activation_policy (`str`, *optional*, defaults to `"auto"`):
             Which decoder layers recompute their forward in the backward (the same gradients in every policy):
             `"none"`, `"full"` (TRL's `gradient_checkpointing`, every layer), a number `k` (the first `k` layers),

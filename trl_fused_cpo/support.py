@@ -201,7 +201,7 @@ def _implementation_refusal(config, layout: str, fix: str) -> str | None:
     if implementation not in DENSE_IMPLEMENTATIONS + ("flex_attention", FUSED_VARLEN_IMPLEMENTATION):
         return (
             f"attn_implementation={implementation!r} is not one packing can pass a mask to (eager, sdpa, "
-            "flex_attention; flash-attention varlen for padding_free): transformers builds no mask for custom "
+            "flex_attention, fused_cpo_varlen; flash-attention varlen for padding_free): transformers builds no mask for custom "
             "kernels, so packed pairs would attend to each other. Load the model with attn_implementation="
             f"'flex_attention', or {fix[0].lower()}{fix[1:]}"
         )
