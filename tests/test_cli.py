@@ -196,3 +196,25 @@ def test_empty_file_in_a_folder_names_the_file(tmp_path):
     (tmp_path / "test.jsonl").write_text("")
     with pytest.raises(ValueError, match=rf"{tmp_path / 'test.jsonl'} is empty"):
         _load(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "flags, value",
+    [
+        ([], True),  # absent: TRL's default
+        (["--gradient_checkpointing"], True),  # a bare flag, as with TRL's CPOConfig
+        (["--gradient_checkpointing", "false"], False),
+        (["--no_gradient_checkpointing"], False),  # TRL's CPOConfig has it (its default is True)
+        (["--no-gradient-checkpointing"], False),
+    ],
+)
+def test_gradient_checkpointing_flags_parse_as_with_trls_cpo_config(tmp_path, flags, value):
+    """FusedCPOConfig's gradient_checkpointing defaults to None (so activation_policy auto can tell it was unset);
+    HfArgumentParser then gave no bare flag and no --no_ form, which CPOConfig's True default has."""
+    recipe = yaml.safe_load(TINY.read_text())
+    del recipe["gradient_checkpointing"]
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    parsed = _parse("--config", str(path), *flags)
+    assert _field(parsed, "gradient_checkpointing") is value
+    assert _field(parsed, "_gradient_checkpointing_explicit") is bool(flags)

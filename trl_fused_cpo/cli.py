@@ -236,6 +236,17 @@ class RecipeParser(TrlParser):
         kwargs.setdefault("usage", _USAGE)
         kwargs.setdefault("allow_abbrev", False)  # a recipe key must be exact; so must a flag (--lora is not --lora_r)
         super().__init__(*args, **kwargs)
+        self._add_no_gradient_checkpointing()
+
+    def _add_no_gradient_checkpointing(self) -> None:
+        """``--no_gradient_checkpointing``, which TRL's CPOConfig has (its default is True): FusedCPOConfig's default
+        is None (unset, so activation_policy auto may replace it), for which HfArgumentParser adds no ``--no_`` form."""
+        flags = {s for action in self._actions for s in action.option_strings}
+        if "--gradient_checkpointing" in flags and "--no_gradient_checkpointing" not in flags:
+            self.add_argument(
+                "--no_gradient_checkpointing", "--no-gradient-checkpointing", action="store_false",
+                dest="gradient_checkpointing", default=argparse.SUPPRESS, help="gradient_checkpointing: false",
+            )  # fmt: skip
 
     def parse_args_and_config(self, args: Iterable[str] | None = None, *pargs, **kwargs):
         import sys
