@@ -57,6 +57,7 @@ def _field(parsed, key: str):
         ("output_dir", 3, "output_dir=3 is an integer, but output_dir takes a string or null"),
         # YAML 1.1 reads an unquoted `no` as False: a str field says to quote it.
         ("dataset_test_split", False, "dataset_test_split=False is a boolean (YAML reads unquoted yes/no/on/off as"),
+        ("activation_policy", True, "quote it), but activation_policy takes a string or an integer"),
     ],
 )
 def test_recipe_value_of_the_wrong_type_is_refused_by_key(tmp_path, key, value, says):
@@ -78,6 +79,8 @@ def test_recipe_value_of_the_wrong_type_is_refused_by_key(tmp_path, key, value, 
         ("lora_target_modules", ["q_proj", "v_proj"], ["q_proj", "v_proj"]),
         ("lora_target_modules", "all-linear", "all-linear"),  # one item: PEFT's special string
         ("gradient_checkpointing_kwargs", {"use_reentrant": False}, {"use_reentrant": False}),
+        ("activation_policy", 8, "8"),  # "a number k" (its help): YAML's integer, refused as "takes a string" before
+        ("activation_policy", "8", "8"),
     ],
 )
 def test_recipe_value_of_the_right_type_is_parsed_as_the_command_line_would(tmp_path, key, value, parsed):

@@ -179,6 +179,10 @@ def _yaml_type(value: Any) -> str:
     return "null" if value is None else names.get(type(value), f"a {type(value).__name__}")
 
 
+# str fields that also take an integer (their help says "a number"): the config stores it as its digits.
+_TEXT_OR_INTEGER_FIELDS = frozenset({"activation_policy"})
+
+
 def _field_hints(dataclass_types: Iterable[type]) -> dict[str, Any]:
     """Field name -> resolved type hint, over the parser's dataclasses (the first one to declare a name wins)."""
     hints: dict[str, Any] = {}
@@ -307,6 +311,8 @@ class RecipeParser(TrlParser):
                     hint += " (YAML reads unquoted yes/no/on/off as booleans: quote it, as save_strategy: 'no')"
                 raise RecipeError(f"{where}: {key}={value!r} is not one of {list(choices)}{hint}.")
         hints = _field_hints(self.dataclass_types)
+        for key in _TEXT_OR_INTEGER_FIELDS.intersection(hints):
+            hints[key] = hints[key] | int
         converted = {}
         for key, value in kwargs.items():
             hint = hints.get(key, Any)
