@@ -57,6 +57,7 @@ def _field(parsed, key: str):
         ("output_dir", 3, "output_dir=3 is an integer, but output_dir takes a string or null"),
         # YAML 1.1 reads an unquoted `no` as False: a str field says to quote it.
         ("dataset_test_split", False, "dataset_test_split=False is a boolean (YAML reads unquoted yes/no/on/off as"),
+        ("activation_policy", True, "quote it), but activation_policy takes a string or an integer"),
     ],
 )
 def test_recipe_value_of_the_wrong_type_is_refused_by_key(tmp_path, key, value, says):
@@ -78,6 +79,8 @@ def test_recipe_value_of_the_wrong_type_is_refused_by_key(tmp_path, key, value, 
         ("lora_target_modules", ["q_proj", "v_proj"], ["q_proj", "v_proj"]),
         ("lora_target_modules", "all-linear", "all-linear"),  # one item: PEFT's special string
         ("gradient_checkpointing_kwargs", {"use_reentrant": False}, {"use_reentrant": False}),
+        ("activation_policy", 8, "8"),  # "a number k" (its help): YAML's integer, refused as "takes a string" before
+        ("activation_policy", "8", "8"),
     ],
 )
 def test_recipe_value_of_the_right_type_is_parsed_as_the_command_line_would(tmp_path, key, value, parsed):
@@ -196,3 +199,25 @@ def test_empty_file_in_a_folder_names_the_file(tmp_path):
     (tmp_path / "test.jsonl").write_text("")
     with pytest.raises(ValueError, match=rf"{tmp_path / 'test.jsonl'} is empty"):
         _load(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "flags, value",
+    [
+        ([], True),  # absent: TRL's default
+        (["--gradient_checkpointing"], True),  # a bare flag, as with TRL's CPOConfig
+        (["--gradient_checkpointing", "false"], False),
+        (["--no_gradient_checkpointing"], False),  # TRL's CPOConfig has it (its default is True)
+        (["--no-gradient-checkpointing"], False),
+    ],
+)
+def test_gradient_checkpointing_flags_parse_as_with_trls_cpo_config(tmp_path, flags, value):
+    """FusedCPOConfig's gradient_checkpointing defaults to None (so activation_policy auto can tell it was unset);
+    HfArgumentParser then gave no bare flag and no --no_ form, which CPOConfig's True default has."""
+    recipe = yaml.safe_load(TINY.read_text())
+    del recipe["gradient_checkpointing"]
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    parsed = _parse("--config", str(path), *flags)
+    assert _field(parsed, "gradient_checkpointing") is value
+    assert _field(parsed, "_gradient_checkpointing_explicit") is bool(flags)

@@ -138,3 +138,32 @@ def test_benchmark_probe_smoke(tmp_path):
          "--out", str(out)]
     )  # fmt: skip
     assert out.exists() and [r["layout"] for r in result["rows"]] == ["padded", "padding_free", "prefix_shared"]
+
+
+def test_the_probes_sdpa_switch_restores_each_sub_configs_own_implementation():
+    """fused_cpo_varlen's probe runs its padded reference on sdpa and switches back. transformers' setter writes a
+    composite config's value into every sub-config, so restoring the top-level name alone gave the vision tower the
+    text model's fused_cpo_varlen (a model left changed by the probe). Each config keeps its own value."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+    from trl_fused_cpo.support import _padded_attention
+    from trl_fused_cpo.varlen_attention import IMPLEMENTATION
+
+    config = LlavaConfig(text_config=LlamaConfig(num_hidden_layers=1), vision_config=CLIPVisionConfig())
+    config._attn_implementation = {"": IMPLEMENTATION, "text_config": IMPLEMENTATION, "vision_config": "eager"}
+    lm = torch.nn.Module()
+    lm.config = config
+    before = {
+        name: c._attn_implementation
+        for name, c in (("", config), *((k, getattr(config, k)) for k in config.sub_configs))
+    }
+    assert before["vision_config"] == "eager" and before["text_config"] == IMPLEMENTATION
+    with pytest.raises(RuntimeError, match="inside"):
+        with _padded_attention(lm, IMPLEMENTATION):
+            assert config.get_text_config()._attn_implementation == "sdpa"
+            raise RuntimeError("inside")
+    after = {
+        name: c._attn_implementation
+        for name, c in (("", config), *((k, getattr(config, k)) for k in config.sub_configs))
+    }
+    assert after == before

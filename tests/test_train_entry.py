@@ -168,6 +168,23 @@ def test_opening_and_closing_lines_say_what_runs_and_what_it_did(tmp_path, capsy
     assert [h["step"] for h in history if "eval_loss" in h] == [0, 2]
 
 
+def test_final_metrics_are_the_best_models_under_load_best_model_at_end(tmp_path):
+    """With load_best_model_at_end, Trainer loads the best checkpoint after training and the final evaluation is of
+    that model; reusing the last step's evaluation reported the last model's metrics next to the best model saved."""
+    from trl_fused_cpo.train import main
+
+    extra = ["--eval_steps", "1", "--save_strategy", "steps", "--save_steps", "1", "--eval_on_start", "false"]
+    extra += ["--load_best_model_at_end", "true", "--metric_for_best_model", "eval_loss", "--greater_is_better", "true"]
+    metrics = main(*_tiny(tmp_path, *extra))
+    state = json.loads((tmp_path / "out" / "trainer_state.json").read_text())
+    by_step = {}  # the evaluations during training: the first at each step (the final one may repeat the last step)
+    for h in state["log_history"]:
+        if "eval_loss" in h:
+            by_step.setdefault(h["step"], h["eval_loss"])
+    assert by_step[1] != by_step[2] and state["best_global_step"] == max(by_step, key=by_step.get)  # not the last
+    assert metrics["eval_loss"] == pytest.approx(by_step[state["best_global_step"]], rel=1e-6)
+
+
 def _conversational(rows: list[dict], explicit: bool) -> list[dict]:
     """TRL's conversational formats of standard rows: explicit prompt (a prompt column) or implicit (in both sides)."""
     out = []

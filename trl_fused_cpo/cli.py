@@ -179,6 +179,10 @@ def _yaml_type(value: Any) -> str:
     return "null" if value is None else names.get(type(value), f"a {type(value).__name__}")
 
 
+# str fields that also take an integer (their help says "a number"): the config stores it as its digits.
+_TEXT_OR_INTEGER_FIELDS = frozenset({"activation_policy"})
+
+
 def _field_hints(dataclass_types: Iterable[type]) -> dict[str, Any]:
     """Field name -> resolved type hint, over the parser's dataclasses (the first one to declare a name wins)."""
     hints: dict[str, Any] = {}
@@ -236,6 +240,17 @@ class RecipeParser(TrlParser):
         kwargs.setdefault("usage", _USAGE)
         kwargs.setdefault("allow_abbrev", False)  # a recipe key must be exact; so must a flag (--lora is not --lora_r)
         super().__init__(*args, **kwargs)
+        self._add_no_gradient_checkpointing()
+
+    def _add_no_gradient_checkpointing(self) -> None:
+        """``--no_gradient_checkpointing``, which TRL's CPOConfig has (its default is True): FusedCPOConfig's default
+        is None (unset, so activation_policy auto may replace it), for which HfArgumentParser adds no ``--no_`` form."""
+        flags = {s for action in self._actions for s in action.option_strings}
+        if "--gradient_checkpointing" in flags and "--no_gradient_checkpointing" not in flags:
+            self.add_argument(
+                "--no_gradient_checkpointing", "--no-gradient-checkpointing", action="store_false",
+                dest="gradient_checkpointing", default=argparse.SUPPRESS, help="gradient_checkpointing: false",
+            )  # fmt: skip
 
     def parse_args_and_config(self, args: Iterable[str] | None = None, *pargs, **kwargs):
         import sys
@@ -296,6 +311,8 @@ class RecipeParser(TrlParser):
                     hint += " (YAML reads unquoted yes/no/on/off as booleans: quote it, as save_strategy: 'no')"
                 raise RecipeError(f"{where}: {key}={value!r} is not one of {list(choices)}{hint}.")
         hints = _field_hints(self.dataclass_types)
+        for key in _TEXT_OR_INTEGER_FIELDS.intersection(hints):
+            hints[key] = hints[key] | int
         converted = {}
         for key, value in kwargs.items():
             hint = hints.get(key, Any)

@@ -140,7 +140,10 @@ class FusedCPOConfig(CPOConfig):
         default=None,
         metadata={
             "help": "TRL's blanket activation checkpointing (unset: True, TRL's default, and activation_policy "
-            "'auto' may replace it; set explicitly, 'auto' keeps it)."
+            "'auto' may replace it; set explicitly, 'auto' keeps it).",
+            # a bare --gradient_checkpointing means True, as with CPOConfig's bool field (cli.py adds its --no_ form)
+            "nargs": "?",
+            "const": True,
         },
     )
 

@@ -439,14 +439,25 @@ def _padded_attention(lm: nn.Module, implementation: str):
     if implementation != FUSED_VARLEN_IMPLEMENTATION:
         yield
         return
-    configs = {id(c): c for c in (lm.config, lm.config.get_text_config())}.values()
-    for config in configs:
+    # transformers' setter writes a config's value into all its sub-configs: keep each one's own (parents first)
+    saved = [(c, c._attn_implementation) for c in _configs_parents_first(lm.config)]
+    for config in {id(c): c for c in (lm.config, lm.config.get_text_config())}.values():
         config._attn_implementation = "sdpa"
     try:
         yield
     finally:
-        for config in configs:
-            config._attn_implementation = implementation
+        for config, value in saved:
+            config._attn_implementation = value
+
+
+def _configs_parents_first(config) -> list:
+    """``config`` and its sub-configs (``config.sub_configs``), recursively, each parent before its children."""
+    out = [config]
+    for key in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None and hasattr(sub, "_attn_implementation"):
+            out += _configs_parents_first(sub)
+    return out
 
 
 def check_model_runs_exactly(model: nn.Module, layout: str, *, pad_token_id: int | None, implementation: str) -> None:

@@ -160,7 +160,10 @@ def _train_and_evaluate(trainer, training_args: FusedCPOConfig, *, evaluate: boo
 
 def _eval_at_the_last_step(trainer) -> dict[str, float] | None:
     """The evaluation Trainer already ran at the last step (eval_strategy steps does, at the end of training), so
-    that the final metrics do not cost a second pass over the eval split; None when it did not run one."""
+    that the final metrics do not cost a second pass over the eval split; None when it did not run one, or when
+    load_best_model_at_end replaced the last step's model with the best checkpoint's after it."""
+    if trainer.args.load_best_model_at_end:
+        return None
     last = next((h for h in reversed(trainer.state.log_history) if "eval_loss" in h), None)
     if last is None or last.get("step") != trainer.state.global_step:
         return None
