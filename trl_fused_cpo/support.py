@@ -468,12 +468,12 @@ def check_model_runs_exactly(model: nn.Module, layout: str, *, pad_token_id: int
     a packed layout, each probe sequence's per-token log-probs in the packed row (packed and masked as the trainer
     does) equal those of its padded row; a crash there is a refusal with the model's exception attached. One forward
     per check, in eval mode (dropout off: modes restored after), without gradients, the global RNG untouched. A model
-    that cannot run here (``probe_skip_reason``) is skipped with one logged line: the static checks still hold.
+    that cannot run here (``probe_skip_reason``) is skipped with one warning: the static checks still hold.
     """
     lm = unwrap_causal_lm(model)
     skip = probe_skip_reason(lm)
     if skip is not None:
-        logger.info(f"FusedCPOTrainer: the construction probe is skipped because {skip}; static checks only.")
+        logger.warning(f"FusedCPOTrainer: the construction probe is skipped because {skip}; static checks only.")
         return
     embeddings = lm.get_input_embeddings()
     device, tol = embeddings.weight.device, PROBE_TOLERANCE.get(embeddings.weight.dtype, 5e-2)
