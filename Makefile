@@ -38,7 +38,7 @@ $(LATEST_VENV)/.installed: pyproject.toml
 	@$(LATEST_PY) .ci/check_no_downgrade.py $(LATEST_VENV)/freeze-before.txt $(LATEST_VENV)/freeze-after.txt $(LATEST_PKGS)
 	@touch $@
 
-demo: $(VENV)/.installed  ## train the toy Llama-3 on the shipped preference data (CPU, ~25 s on 2 cores)
+demo: $(VENV)/.installed  ## train the toy Llama-3 on the shipped preference data (CPU, ~10 s on 2 cores)
 	@OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) scripts/train_cpo.py --config recipes/dev/tiny_cpo.yaml
 
 test: $(VENV)/.installed  ## the whole CPU test suite (Triton kernels through the interpreter; ~20 CPU-minutes)
