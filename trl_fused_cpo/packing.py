@@ -108,17 +108,20 @@ class PackedBatch:
 
     def to(self, device: torch.device | str) -> PackedBatch:
         """A copy with every tensor on ``device`` (non-blocking where the source is pinned)."""
-        return self._map(lambda t: t.to(device, non_blocking=True))
+        return map_tensor_fields(self, lambda t: t.to(device, non_blocking=True))
 
     def pin_memory(self, device: torch.device | str | None = None) -> PackedBatch:
         """A copy in pinned host memory: the DataLoader's ``pin_memory=True`` (Trainer's default) calls this in its
         pinning thread, so the step's ``to(device)`` is an asynchronous copy, not a host stall."""
-        return self._map(lambda t: t.pin_memory() if device is None else t.pin_memory(device))
+        return map_tensor_fields(self, lambda t: t.pin_memory() if device is None else t.pin_memory(device))
 
-    def _map(self, fn) -> PackedBatch:
-        return PackedBatch(
-            **{f.name: (fn(v) if isinstance(v := getattr(self, f.name), torch.Tensor) else v) for f in fields(self)}
-        )
+
+def map_tensor_fields(obj, fn):
+    """A copy of the dataclass ``obj`` with ``fn`` applied to its tensor fields (the others kept): the device moves
+    and pinning of the batch's dataclasses (``PackedBatch``, ``varlen_attention.VarlenTables``)."""
+    return type(obj)(
+        **{f.name: (fn(v) if isinstance(v := getattr(obj, f.name), torch.Tensor) else v) for f in fields(obj)}
+    )
 
 
 def _unpadded_rows(batch: Mapping[str, torch.Tensor], side: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

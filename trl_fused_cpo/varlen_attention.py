@@ -26,12 +26,12 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from .packing import REJECTED, SHARED, PackedBatch
+from .packing import REJECTED, SHARED, PackedBatch, map_tensor_fields
 
 logger = logging.getLogger(__name__)
 
@@ -65,17 +65,13 @@ class VarlenTables:
     key_index: torch.Tensor | None = None
     square_out_index: torch.Tensor | None = None
 
-    def _map(self, fn) -> VarlenTables:
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        return VarlenTables(**{k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in values.items()})
-
     def to(self, device: torch.device | str, non_blocking: bool = True) -> VarlenTables:
         """A copy on ``device`` (asynchronous from pinned memory: the DataLoader pins through :meth:`pin_memory`)."""
-        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+        return map_tensor_fields(self, lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self, device: torch.device | str | None = None) -> VarlenTables:
         """Page-locked copy; the DataLoader's ``pin_memory=True`` calls this on objects that have it."""
-        return self._map(lambda t: t.pin_memory() if t.device.type == "cpu" else t)
+        return map_tensor_fields(self, lambda t: t.pin_memory() if t.device.type == "cpu" else t)
 
 
 def _segments(group: torch.Tensor, branch: torch.Tensor) -> list[tuple[int, int, int]]:
