@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .attention import FLEX_BLOCK_SIZE
 from .ops.schedule import DEFAULT_CHUNK_BYTES_TRAINABLE
 from .packing import PADDED, PREFIX_SHARED
 from .support import unwrap_causal_lm
@@ -245,7 +246,7 @@ def largest_batch_positions(dataset, batch_size: int, layout: str) -> int | None
         return 2 * batch_size * int(max(length["chosen"].max(), length["rejected"].max()))
     shared = np.maximum(length["prompt"] - 1, 0) if layout == PREFIX_SHARED else 0
     per_pair = np.sort(length["chosen"] + length["rejected"] - shared)
-    return int(per_pair[-batch_size:].sum()) + 128
+    return int(per_pair[-batch_size:].sum()) + FLEX_BLOCK_SIZE
 
 
 def _list_lengths(column):
